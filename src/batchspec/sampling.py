@@ -1,0 +1,88 @@
+"""Sampling parameters and the pure functions that turn logits into token distributions and tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from batchspec.errors import BatchspecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, as in vLLM: temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise BatchspecError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise BatchspecError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise BatchspecError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise BatchspecError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise BatchspecError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def token_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor) -> torch.Tensor:
+    """Distributions after temperature, top-k and top-p, row by row.
+
+    logits (N, V) float; temperature, top_p (N,) float; top_k (N,) int64 (0 = off). Greedy rows (temperature 0)
+    become one-hot on the argmax, so speculative verification treats greedy and sampling alike.
+    Returns probabilities (N, V) float32.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    needs_filter = bool(((top_k > 0) | (top_p < 1.0)).any())
+    if needs_filter:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (N, V)
+        rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # top-p keeps the smallest prefix whose mass reaches p: drop a token if the mass before it already does.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= top_p[:, None]
+        drop[:, 0] = False  # the most likely token always survives
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = scaled.softmax(dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample_with_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs (N, V), uniforms (N,) in [0, 1) -> tokens (N,) int64.
+
+    Taking the uniforms as input lets each request draw them from its own seeded generator while the
+    sampling itself stays one batched operation.
+    """
+    cdf = probs.cumsum(dim=-1)  # (N, V)
+    target = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+def params_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_k, top_p) tensors (N,) for a list of per-request parameters."""
+    return (torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32))

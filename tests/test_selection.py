@@ -1,0 +1,235 @@
+"""Selection policies: Tetris/oracle optimality against brute force, exact capacity under ties, DSD, validation."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchspec.errors import BatchspecError
+from batchspec.selection import (
+    POLICIES,
+    AcceptanceEMA,
+    StepTimeModel,
+    check_policy,
+    default_capacity,
+    draft_length,
+    dsd_choose_k,
+    expected_accepted,
+    expected_tokens_per_request,
+    oracle_windows,
+    sd_windows,
+    select_windows,
+    tetris_windows,
+    validate_spec,
+)
+
+FAST = settings(max_examples=150, derandomize=True, deadline=None)
+
+
+def reference_expected_accepted(accept: list[list[float]], windows: list[int]) -> float:
+    """E[A] by its definition, one request and one position at a time."""
+    total = 0.0
+    for row, length in zip(accept, windows):
+        survival = 1.0
+        for j in range(length):
+            survival *= row[j]
+            total += survival
+    return total
+
+
+def brute_force_best(accept: list[list[float]], capacity: int) -> float:
+    """max E[A] over every window assignment with sum(l) <= C."""
+    k_prime = len(accept[0])
+    return max(
+        reference_expected_accepted(accept, list(windows))
+        for windows in itertools.product(range(k_prime + 1), repeat=len(accept))
+        if sum(windows) <= capacity
+    )
+
+
+def random_accept_probs(generator: torch.Generator, batch_size: int, k_prime: int) -> torch.Tensor:
+    """Uniform acceptances salted with exact 0s, 1s and repeated values, so ties are common."""
+    accept = torch.rand(batch_size, k_prime, generator=generator, dtype=torch.float64)
+    salt = torch.randint(0, 6, (batch_size, k_prime), generator=generator)
+    accept = torch.where(salt == 0, torch.zeros_like(accept), accept)
+    accept = torch.where(salt == 1, torch.ones_like(accept), accept)
+    return torch.where(salt == 2, torch.full_like(accept, 0.5), accept)
+
+
+def test_tetris_and_oracle_match_brute_force_optimum() -> None:
+    generator = torch.Generator().manual_seed(1234)
+    for _ in range(300):
+        batch_size = int(torch.randint(1, 5, (1,), generator=generator))
+        k_prime = int(torch.randint(1, 5, (1,), generator=generator))
+        capacity = int(torch.randint(0, batch_size * k_prime + 1, (1,), generator=generator))
+        accept = random_accept_probs(generator, batch_size, k_prime)  # (B, K')
+        best = brute_force_best(accept.tolist(), capacity)
+        # Using the true acceptance as q makes Tetris the oracle: both must reach the optimum.
+        for windows in (tetris_windows(torch.log(accept), capacity), oracle_windows(accept, capacity)):
+            assert windows.dtype == torch.int64 and windows.shape == (batch_size,)
+            assert int(windows.sum()) <= capacity
+            assert bool(((windows >= 0) & (windows <= k_prime)).all())
+            assert expected_accepted(accept, windows) == pytest.approx(best, abs=1e-9)
+
+
+def test_expected_accepted_matches_definition() -> None:
+    generator = torch.Generator().manual_seed(7)
+    accept = torch.rand(5, 4, generator=generator, dtype=torch.float64)
+    windows = torch.tensor([0, 4, 2, 1, 3])
+    assert expected_accepted(accept, windows) == pytest.approx(
+        reference_expected_accepted(accept.tolist(), windows.tolist()), abs=1e-12
+    )
+
+
+LOGPROB_ATOMS = st.sampled_from([0.0, -0.0, -math.inf, -0.5, -1.0, -2.5])
+LOGPROBS = st.one_of(LOGPROB_ATOMS, st.floats(min_value=-6.0, max_value=0.0))
+
+
+@st.composite
+def logprob_instances(draw: st.DrawFn) -> tuple[torch.Tensor, int]:
+    batch_size = draw(st.integers(1, 6))
+    k_prime = draw(st.integers(1, 6))
+    values = draw(st.lists(LOGPROBS, min_size=batch_size * k_prime, max_size=batch_size * k_prime))
+    capacity = draw(st.integers(0, batch_size * k_prime + 3))
+    return torch.tensor(values, dtype=torch.float32).reshape(batch_size, k_prime), capacity
+
+
+@FAST
+@given(logprob_instances())
+def test_tetris_spends_capacity_exactly_on_a_top_c_prefix_closed_set(instance: tuple[torch.Tensor, int]) -> None:
+    logprobs, capacity = instance
+    batch_size, k_prime = logprobs.shape
+    windows = tetris_windows(logprobs, capacity)
+    assert bool(((windows >= 0) & (windows <= k_prime)).all())
+    # Exactly C (never more, also with ties at 0 and -inf): the reference code overshoots here.
+    assert int(windows.sum()) == min(capacity, batch_size * k_prime)
+    # Windows are prefixes by construction; they must also be a top-C set: the weakest chosen score is no
+    # worse than the best score left out.
+    scores = torch.cumsum(logprobs, dim=1)  # (B, K')
+    chosen = torch.arange(k_prime)[None, :] < windows[:, None]  # (B, K')
+    if bool(chosen.any()) and bool((~chosen).any()):
+        assert float(scores[chosen].min()) >= float(scores[~chosen].max())
+
+
+@FAST
+@given(
+    alpha=st.floats(min_value=0.01, max_value=0.99),
+    batch_size=st.integers(1, 6),
+    k_prime=st.integers(1, 6),
+    per_request=st.integers(0, 6),
+)
+def test_equal_acceptance_makes_tetris_uniform_like_sd(
+    alpha: float, batch_size: int, k_prime: int, per_request: int
+) -> None:
+    k = min(per_request, k_prime)
+    capacity = k * batch_size
+    accept = torch.full((batch_size, k_prime), alpha, dtype=torch.float64)
+    windows = tetris_windows(torch.log(accept), capacity)
+    sd = sd_windows(batch_size, k, k_prime)
+    assert torch.equal(windows, sd)
+    assert expected_accepted(accept, windows) == pytest.approx(expected_accepted(accept, sd), abs=1e-12)
+
+
+def test_certain_acceptance_ties_still_spend_exactly_capacity() -> None:
+    # a = 1 everywhere: all scores tie at 0; any split is optimal, but the sum must be exactly C.
+    accept = torch.ones(3, 4)
+    windows = tetris_windows(torch.log(accept), 5)
+    assert int(windows.sum()) == 5
+    assert expected_accepted(accept, windows) == 5.0
+
+
+def test_capacity_bounds() -> None:
+    logprobs = -torch.rand(3, 4)
+    assert torch.equal(tetris_windows(logprobs, 12), torch.full((3,), 4))
+    assert torch.equal(tetris_windows(logprobs, 100), torch.full((3,), 4))
+    assert torch.equal(tetris_windows(logprobs, 0), torch.zeros(3, dtype=torch.int64))
+    assert torch.equal(oracle_windows(torch.rand(3, 4), 100), torch.full((3,), 4))
+
+
+def test_tetris_prefers_easy_requests() -> None:
+    # Request 0 is confident, request 1 is not: the staircase gives request 0 the long window.
+    logprobs = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.2, 0.9, 0.9, 0.9]]))
+    assert tetris_windows(logprobs, 4).tolist() == [4, 0]
+    assert tetris_windows(logprobs, 5).tolist() == [4, 1]
+
+
+def test_select_windows_dispatch() -> None:
+    logprobs = torch.log(torch.tensor([[0.9, 0.9, 0.9], [0.1, 0.9, 0.9]]))
+    accept = torch.tensor([[0.1, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    common = {"draft_logprobs": logprobs, "k": 1, "capacity": 2}
+    assert select_windows("ar", **common).tolist() == [0, 0]
+    assert select_windows("sd", **common).tolist() == [1, 1]
+    assert select_windows("dsd", **common).tolist() == [1, 1]
+    assert select_windows("tetris", **common).tolist() == [2, 0]
+    assert select_windows("tetris", turn_on_batch_size=3, **common).tolist() == [1, 1]  # below turn-on: sd
+    assert select_windows("oracle", accept_probs=accept, **common).tolist() == [0, 2]
+    with pytest.raises(BatchspecError, match="accept_probs"):
+        select_windows("oracle", **common)
+
+
+def test_draft_length() -> None:
+    assert draft_length("ar", 3, 2, 8) == 0
+    assert draft_length("sd", 3, 2, 8) == 3
+    assert draft_length("tetris", 3, 2, 8) == 5
+    assert draft_length("tetris", 3, 2, 8, turn_on_batch_size=16) == 3
+    assert draft_length("oracle", 3, 2, 8) == 5
+
+
+def test_validate_spec_errors() -> None:
+    validate_spec(k=3, extra=2, capacity=default_capacity(3, 4), batch_size=4)
+    validate_spec(k=3, extra=2, capacity=20, batch_size=4)
+    cases = [
+        ({"k": 0, "extra": 0, "capacity": 0, "batch_size": 1}, "k must be >= 1"),
+        ({"k": 2, "extra": -1, "capacity": 2, "batch_size": 1}, "extra must be >= 0"),
+        ({"k": 2, "extra": 0, "capacity": -1, "batch_size": 1}, "capacity must be >= 0"),
+        ({"k": 2, "extra": 1, "capacity": 7, "batch_size": 2}, r"exceeds .* = 6"),
+        ({"k": 2, "extra": 1, "capacity": 0, "batch_size": 0}, "batch size must be >= 1"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(BatchspecError, match=message):
+            validate_spec(**kwargs)
+
+
+def test_policy_names() -> None:
+    assert POLICIES == ("ar", "sd", "dsd", "tetris", "oracle")
+    assert check_policy("tetris") == "tetris"
+    with pytest.raises(BatchspecError, match="ar, sd, dsd, tetris, oracle"):
+        check_policy("tetirs")
+
+
+def test_dsd_choose_k_on_hand_made_step_time() -> None:
+    def step_time(batch_size: int, k: int) -> float:
+        return 1.0 + 0.3 * k  # goodput with alpha 0.8: 1.0, 1.385, 1.525, 1.554, 1.528, ... -> k = 3
+
+    assert dsd_choose_k(0.8, 4, 8, step_time) == 3
+    assert dsd_choose_k(0.8, 4, 2, step_time) == 2  # capped by k_max
+    assert dsd_choose_k(0.0, 4, 8, step_time) == 0  # nothing is ever accepted
+    assert dsd_choose_k(1.0, 4, 8, step_time) == 8  # everything accepted: (k+1)/(1+0.3k) grows
+    assert expected_tokens_per_request(1.0, 4) == 5.0
+    assert expected_tokens_per_request(1.0 - 1e-12, 4) == 5.0
+    with pytest.raises(BatchspecError, match="non-positive"):
+        dsd_choose_k(0.5, 4, 3, lambda b, k: 0.0)
+
+
+def test_step_time_model_fit_recovers_coefficients() -> None:
+    truth = StepTimeModel(c_fixed=0.02, c_draft_step=0.004, c_draft_token=0.0003, c_target_token=0.0011)
+    samples = [(b, k, truth(b, k)) for b in (1, 2, 4, 8, 16) for k in range(6)]
+    fitted = StepTimeModel.fit(samples)
+    for name in ("c_fixed", "c_draft_step", "c_draft_token", "c_target_token"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-8, abs=1e-12)
+    assert fitted(32, 7) == pytest.approx(truth(32, 7), rel=1e-8)
+    with pytest.raises(BatchspecError, match="at least 4"):
+        StepTimeModel.fit(samples[:3])
+
+
+def test_acceptance_ema() -> None:
+    ema = AcceptanceEMA()
+    assert ema.value == 0.7
+    updated = ema.update(0.3)
+    assert updated.value == pytest.approx(0.85 * 0.7 + 0.15 * 0.3)
+    assert ema.value == 0.7  # immutable: state is passed explicitly
