@@ -240,7 +240,10 @@ class Transformer:
             x = x + linear(attn, layer.wo)
             h = F.rms_norm(x, (c.hidden_size,), layer.mlp_norm, c.rms_norm_eps)
             gate, up = linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.w_down)
+            # The down projection keeps F.linear's operand order: its 1536-long reductions over the large MLP
+            # activations of models like SmolLM2 are where the two orders' rounding differs most (measured: max
+            # logit difference to transformers 1.1e-4 with the fast order here, 6e-5 without), for ~5 % speed.
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
 
         cache.lengths[slots] = ends
         hidden = F.rms_norm(x, (c.hidden_size,), self.final_norm, c.rms_norm_eps)  # (T, hidden)

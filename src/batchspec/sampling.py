@@ -46,27 +46,53 @@ def token_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
     logits (N, V) float; temperature, top_p (N,) float; top_k (N,) int64 (0 = off). Greedy rows (temperature 0)
     become one-hot on the argmax, so speculative verification treats greedy and sampling alike.
+    Filtering keeps every token whose logit reaches the row's cutoff (the k-th largest logit, and the logit at
+    which the sorted mass reaches top_p), so no scatter back from sorted order is needed.
     Returns probabilities (N, V) float32.
     """
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    needs_filter = bool(((top_k > 0) | (top_p < 1.0)).any())
-    if needs_filter:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (N, V)
-        rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
-        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # top-p keeps the smallest prefix whose mass reaches p: drop a token if the mass before it already does.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= top_p[:, None]
-        drop[:, 0] = False  # the most likely token always survives
-        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    use_k, use_p = top_k > 0, top_p < 1.0
+    if bool((use_k | use_p).any()):
+        vocab = scaled.shape[-1]
+        # Sorting the whole vocabulary is the slow part; the cutoff almost always lies among the top few hundred
+        # tokens, so rank those first and sort everything only if some top-p row needs more.
+        wanted = int(top_k.max()) if bool(use_k.all()) else TOP_P_CANDIDATES
+        cutoff = _cutoff(scaled, use_k, use_p, top_k, top_p, min(wanted, vocab))
+        if cutoff is None:
+            cutoff = _cutoff(scaled, use_k, use_p, top_k, top_p, vocab)
+        scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
     probs = scaled.softmax(dim=-1)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
+
+
+TOP_P_CANDIDATES = 1024
+
+
+def _cutoff(scaled: torch.Tensor, use_k: torch.Tensor, use_p: torch.Tensor, top_k: torch.Tensor,
+            top_p: torch.Tensor, candidates: int) -> torch.Tensor | None:
+    """Per-row logit cutoff (N, 1) from the `candidates` largest logits; None if that is too few for top-p."""
+    ranked = scaled.topk(candidates, dim=-1).values  # (N, C) descending
+    rank = torch.arange(candidates, device=scaled.device)[None, :]
+    beyond_k = use_k[:, None] & (rank >= top_k[:, None])
+    ranked = ranked.masked_fill(beyond_k, float("-inf"))
+    # top-k applies first, then top-p on the renormalised survivors (the order transformers and vLLM use);
+    # rows without top-k are normalised over the whole vocabulary, not just the candidates.
+    log_norm = torch.where(use_k, ranked.logsumexp(dim=-1), scaled.logsumexp(dim=-1))[:, None]
+    ranked_probs = (ranked - log_norm).exp()
+    # top-p keeps the smallest prefix whose mass reaches p: a token is dropped if the mass before it does.
+    mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs
+    inside = ~beyond_k & (~use_p[:, None] | (mass_before < top_p[:, None]))
+    kept = inside.sum(dim=-1)  # (N,)
+    if candidates < scaled.shape[-1] and bool((use_p & ~use_k & (kept >= candidates)).any()):
+        return None
+    cutoff = ranked.gather(-1, (kept.clamp(min=1) - 1)[:, None])  # (N, 1); the best token always survives
+    no_filter = ~(use_k | use_p)
+    return torch.where(no_filter[:, None], torch.full_like(cutoff, float("-inf")), cutoff)
 
 
 def sample_with_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

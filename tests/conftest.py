@@ -1,0 +1,62 @@
+"""Shared fixtures: the real default model (fetched by `make test` before pytest runs) and tiny random models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchspec import default_models
+from batchspec.loading import TOKENIZER_FILES, load_model, resolve_model_dir
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    default_models.fetch(quiet=True)  # a no-op once fetched; `make test` fetches before pytest starts
+    return resolve_model_dir("default")
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_dir):
+    return load_model(default_model_dir)
+
+
+def make_tiny_model(out: Path, tokenizer_dir: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A randomly initialised transformers model saved as an HF directory, with the default model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+    with torch.no_grad():  # default init is tiny; larger weights make logit differences visible
+        for param in model.parameters():
+            param.normal_(0.0, 0.08)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+@pytest.fixture
+def tiny_model_factory(tmp_path, default_model_dir):
+    def factory(model_type: str = "llama", name: str = "tiny", **overrides) -> Path:
+        return make_tiny_model(tmp_path / name, default_model_dir, model_type, **overrides)
+
+    return factory
+
+
+def write_json(path: Path, data) -> Path:
+    path.write_text(json.dumps(data))
+    return path
