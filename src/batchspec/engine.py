@@ -15,10 +15,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchspec import speculative
 from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
-from batchspec.loading import LoadedModel, load_model
+from batchspec.loading import LoadedModel, check_same_tokenizer, load_model
+from batchspec.metrics import RunStats, summarize
 from batchspec.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
+from batchspec.selection import (AcceptanceEMA, StepTimeModel, dsd_choose_k, expected_accepted, oracle_windows,
+                                 sd_windows, tetris_windows)
+from batchspec.speculative import SpecConfig
+from batchspec.verification import acceptance_probs, greedy_acceptance_probs, verify, verify_greedy
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
@@ -40,14 +46,25 @@ class Request:
     arrival_s: float
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
+    draft_pending: list[int] = field(default_factory=list)  # committed tokens the draft's cache lacks
     finish_reason: str | None = None  # "stop" | "length"
     text: str = ""
     first_token_s: float | None = None
     finish_s: float | None = None
 
-    def uniform(self) -> torch.Tensor:
-        """One uniform draw from this request's own generator, so a seeded request is reproducible in any batch."""
-        return torch.rand(1, generator=self.generator)
+    def uniform(self, n: int = 1) -> torch.Tensor:
+        """Uniform draws from this request's own generator, so a seeded request is reproducible in any batch."""
+        return torch.rand(n, generator=self.generator)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens_from(self, start: int) -> list[int]:
+        """Committed tokens (prompt + output) from position `start` on."""
+        if start >= len(self.prompt_ids):
+            return self.output_ids[start - len(self.prompt_ids):]
+        return self.prompt_ids[start:] + self.output_ids
 
 
 @dataclass
@@ -64,39 +81,34 @@ class GenerationOutput:
         return dict(vars(self))
 
 
-@dataclass
-class RunStats:
-    """Counters of one `generate` call; the metric definitions live in DESIGN.md section 6."""
-
-    wall_s: float = 0.0
-    target_s: float = 0.0
-    target_calls: int = 0
-    target_tokens: int = 0
-    emitted_tokens: int = 0
-    steps: int = 0
-
-    def as_dict(self) -> dict:
-        out = dict(vars(self))
-        out["tokens_per_s"] = self.emitted_tokens / self.wall_s if self.wall_s else 0.0
-        out["ter_tokens_per_s"] = self.emitted_tokens / self.target_s if self.target_s else 0.0
-        return out
-
-
 class Engine:
-    def __init__(self, target: LoadedModel, max_batch_size: int = 16, prefill_tokens: int = 2048,
-                 seed: int = 0) -> None:
+    """Batched generation with the target alone (`ar`) or speculatively with a draft (sd, dsd, tetris, oracle)."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
+                 max_batch_size: int = 16, prefill_tokens: int = 2048, seed: int = 0,
+                 step_time: StepTimeModel | None = None) -> None:
+        """`step_time` is dsd's T(B, k) model; None profiles this machine on the first dsd `generate`."""
         if max_batch_size < 1:
             raise BatchspecError(f"batch size must be at least 1, got {max_batch_size}")
+        self.spec = spec or SpecConfig()
+        self.spec.validate(max_batch_size)
+        if self.spec.policy != "ar" and draft is None:
+            raise BatchspecError(f"policy {self.spec.policy!r} needs a draft model (--draft)")
+        if draft is not None:
+            check_same_tokenizer(target, draft)
         self.target = target
+        self.draft = draft
         self.max_batch_size = max_batch_size
         self.prefill_tokens = prefill_tokens
         self.seed = seed
         self.stats = RunStats()
+        self.acceptance = AcceptanceEMA()  # dsd's running acceptance estimate
+        self._step_time = step_time
 
     @classmethod
-    def from_pretrained(cls, target: str = "default", **kwargs) -> Engine:
+    def from_pretrained(cls, target: str = "default", draft: str | None = None, **kwargs) -> Engine:
         configure_threads()
-        return cls(load_model(target), **kwargs)
+        return cls(load_model(target), load_model(draft) if draft else None, **kwargs)
 
     # --- prompts -> requests -------------------------------------------------------------------------------------
 
@@ -117,6 +129,8 @@ class Engine:
         if len(params) != len(prompts):
             raise BatchspecError(f"got {len(params)} sampling parameter sets for {len(prompts)} prompts")
         context = self.target.config.max_position_embeddings
+        if self.draft is not None:
+            context = min(context, self.draft.config.max_position_embeddings)
         now = time.perf_counter()
         requests = []
         for index, (prompt, p) in enumerate(zip(prompts, params)):
@@ -138,49 +152,74 @@ class Engine:
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat: bool = False, progress: bool = False) -> list[GenerationOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order. Counters end up in `self.stats`."""
         if not prompts:
             raise BatchspecError("no prompts given")
         requests = self._make_requests(prompts, params or SamplingParams(), chat)
-        longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
-        cache = self.target.transformer.new_cache(min(self.max_batch_size, len(requests)), longest + 1)
+        slots = min(self.max_batch_size, len(requests))
+        # Room for the longest request plus one step's speculative overshoot (rolled back afterwards).
+        longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests) + self._max_draft_length() + 2
+        target_cache = self.target.transformer.new_cache(slots, longest)
+        draft_cache = self.draft.transformer.new_cache(slots, longest) if self._speculative else None
+        if self.spec.policy == "dsd" and self._step_time is None:
+            self._step_time = self._profile_step_time()
         self.stats = RunStats()
         bar = _progress_bar(len(requests), progress)
         start = time.perf_counter()
         waiting, active = deque(requests), []
         while waiting or active:
             admitted = []
-            while waiting and cache.num_free:
+            while waiting and target_cache.num_free:
                 request = waiting.popleft()
-                request.slot = cache.allocate()
+                request.slot = target_cache.allocate()
                 admitted.append(request)
             if admitted:
-                self._prefill(cache, admitted)
+                self._prefill(target_cache, draft_cache, admitted)
                 active += admitted
+            elif self._speculative:
+                self._speculative_step(target_cache, draft_cache, active)
             else:
-                self._decode_step(cache, active)
+                self._decode_step(target_cache, active)
             still = []
             for request in active:
                 if request.finish_reason is None:
                     still.append(request)
                 else:
-                    cache.release(request.slot)
+                    target_cache.release(request.slot)
                     bar.update(1)
             active = still
-        self.stats.wall_s = time.perf_counter() - start
+        self.stats.wall_s = time.perf_counter() - start - self.stats.measure_s
         bar.close()
+        self.last_requests = requests
         return [self._output(r) for r in requests]
+
+    def metrics(self) -> dict:
+        """DESIGN.md section 6 metrics of the last `generate` call."""
+        outputs = [self._output(r) for r in getattr(self, "last_requests", [])]
+        return summarize(self.stats, [o.latency_s for o in outputs], [o.ttft_s for o in outputs])
+
+    @property
+    def _speculative(self) -> bool:
+        return self.spec.policy != "ar"
+
+    def _max_draft_length(self) -> int:
+        if not self._speculative:
+            return 0
+        return max(self.spec.k + self.spec.extra, self.spec.k_max if self.spec.policy == "dsd" else 0)
 
     def _run_target(self, cache: KVCache, slots: torch.Tensor, num_new: torch.Tensor, tokens: torch.Tensor,
                     logit_rows: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
         out = self.target.transformer.forward(cache, slots, num_new, tokens, logit_rows=logit_rows)
-        self.stats.target_s += time.perf_counter() - started
-        self.stats.target_calls += 1
-        self.stats.target_tokens += int(tokens.numel())
+        self._count_target(time.perf_counter() - started, int(tokens.numel()))
         return out.logits
 
-    def _prefill(self, cache: KVCache, admitted: list[Request]) -> None:
+    def _count_target(self, seconds: float, tokens: int) -> None:
+        self.stats.target_s += seconds
+        self.stats.target_calls += 1
+        self.stats.target_tokens += tokens
+
+    def _prefill(self, cache: KVCache, draft_cache: KVCache | None, admitted: list[Request]) -> None:
         """Run the prompts of newly admitted requests, packed, in chunks of about `prefill_tokens` tokens."""
         group: list[Request] = []
         for request in admitted + [None]:
@@ -188,11 +227,17 @@ class Engine:
                     request.prompt_ids) <= self.prefill_tokens):
                 group.append(request)
                 continue
-            num_new = torch.tensor([len(r.prompt_ids) for r in group])
-            tokens = torch.tensor([t for r in group for t in r.prompt_ids])
+            num_new, tokens, last_rows = speculative.ragged_inputs([r.prompt_ids for r in group])
             slots = torch.tensor([r.slot for r in group])
-            logits = self._run_target(cache, slots, num_new, tokens, torch.cumsum(num_new, 0) - 1)
+            logits = self._run_target(cache, slots, num_new, tokens, last_rows)
+            if draft_cache is not None:
+                started = time.perf_counter()
+                draft_cache.lengths[slots] = 0
+                self.draft.transformer.forward(draft_cache, slots, num_new, tokens, all_logits=False)
+                self.stats.draft_s += time.perf_counter() - started
             self._sample_and_commit(group, logits)
+            for r in group:
+                r.draft_pending = r.output_ids[-1:]
             group = [request] if request is not None else []
 
     def _decode_step(self, cache: KVCache, active: list[Request]) -> None:
@@ -200,8 +245,11 @@ class Engine:
         tokens = torch.tensor([r.output_ids[-1] for r in active])
         ones = torch.ones(len(active), dtype=torch.int64)
         logits = self._run_target(cache, slots, ones, tokens, torch.arange(len(active)))
+        before = self.stats.emitted_tokens
         self._sample_and_commit(active, logits)
         self.stats.steps += 1
+        self.stats.request_steps += len(active)
+        self.stats.step_emitted += self.stats.emitted_tokens - before
 
     def _sample_and_commit(self, requests: list[Request], logits: torch.Tensor) -> None:
         """logits (N, V), one row per request: sample the next token and append it."""
@@ -215,6 +263,126 @@ class Engine:
         now = time.perf_counter()
         for request, token in zip(requests, tokens.tolist()):
             self._commit(request, [token], now)
+
+    # --- speculative step: propose -> select -> verify -> commit --------------------------------------------------
+
+    def _speculative_step(self, target_cache: KVCache, draft_cache: KVCache, active: list[Request]) -> None:
+        spec, stats = self.spec, self.stats
+        batch = len(active)
+        slots = torch.tensor([r.slot for r in active])
+        k, k_prime = self._window_sizes(batch)
+        # Never write past either cache (only near the end of the longest request can this bind).
+        room = min(draft_cache.max_len - int(draft_cache.lengths[slots].max()) - 2,
+                   target_cache.max_len - int(target_cache.lengths[slots].max()) - 1)
+        k_prime = max(0, min(k_prime, room))
+        if k_prime == 0:
+            self._decode_step(target_cache, active)
+            self._resync_draft(draft_cache, active)
+            return
+        params = [r.params for r in active]
+        greedy_all = all(p.greedy for p in params)
+        sampling = params_tensors(params)
+        # Each request's randomness for this step from its own generator: K' draft draws, K' accept tests, 1 next.
+        draws = None if greedy_all else torch.stack([r.uniform(2 * k_prime + 1) for r in active])  # (B, 2K'+1)
+
+        started = time.perf_counter()
+        proposal = speculative.propose(self.draft.transformer, draft_cache, slots, [r.draft_pending for r in active],
+                                       k_prime, sampling, None if greedy_all else draws[:, :k_prime])
+        stats.draft_s += time.perf_counter() - started
+        stats.draft_tokens += batch * k_prime
+
+        last = torch.tensor([r.output_ids[-1] for r in active])
+        accept_probs = None
+        if spec.policy == "oracle" or spec.measure_oracle:
+            accept_probs = self._measure_acceptance(target_cache, slots, last, proposal, sampling, greedy_all)
+
+        started = time.perf_counter()
+        capacity = min(spec.capacity_for(batch), batch * k_prime)
+        if spec.policy == "tetris" and batch >= spec.turn_on_batch_size:
+            windows = tetris_windows(proposal.logprobs, capacity)
+        elif spec.policy == "oracle":
+            windows = oracle_windows(accept_probs, capacity)
+        else:  # sd, dsd, and tetris below its turn-on batch size
+            windows = sd_windows(batch, k, k_prime)
+        stats.select_s += time.perf_counter() - started
+
+        before = target_cache.lengths[slots].clone()  # (B,) committed tokens minus the pending one
+        started = time.perf_counter()
+        scored = speculative.score(self.target.transformer, target_cache, slots, last, proposal, windows,
+                                   None if greedy_all else sampling)
+        if greedy_all:
+            accepted, next_token = verify_greedy(proposal.tokens, scored.argmax, windows)
+        else:
+            accepted, next_token = verify(proposal.tokens, proposal.probs, scored.probs, windows,
+                                          draws[:, k_prime:2 * k_prime], next_uniforms=draws[:, -1])
+        self._count_target(time.perf_counter() - started, int(windows.sum()) + batch)
+
+        # Commit: roll the target back to the accepted prefix, the draft to what it has of it.
+        target_cache.lengths[slots] = before + 1 + accepted
+        emitted_before = stats.emitted_tokens
+        now = time.perf_counter()
+        drafts, accepted_list = proposal.tokens.tolist(), accepted.tolist()
+        for request, row, n, token in zip(active, drafts, accepted_list, next_token.tolist()):
+            self._commit(request, row[:n] + [token], now)
+        self._resync_draft(draft_cache, active)
+
+        windows_list = windows.tolist()
+        stats.steps += 1
+        stats.request_steps += batch
+        stats.verified += sum(windows_list)
+        stats.accepted += sum(accepted_list)
+        stats.step_emitted += stats.emitted_tokens - emitted_before
+        stats.record_positions(windows_list, accepted_list)
+        stats.window_history.append(windows_list)
+        if accept_probs is not None:
+            stats.policy_expected += expected_accepted(accept_probs, windows)
+            stats.oracle_expected += expected_accepted(accept_probs, oracle_windows(accept_probs, capacity))
+        if spec.policy == "dsd" and sum(windows_list):
+            self.acceptance = self.acceptance.update(sum(accepted_list) / sum(windows_list))
+
+    def _window_sizes(self, batch: int) -> tuple[int, int]:
+        """(k, K') for this step: the sd window and how many tokens the draft proposes."""
+        spec = self.spec
+        if spec.policy == "dsd":
+            k = dsd_choose_k(self.acceptance.value, batch, spec.k_max, self._step_time)
+            return k, k
+        if spec.policy == "sd" or (spec.policy == "tetris" and batch < spec.turn_on_batch_size):
+            return spec.k, spec.k
+        return spec.k, spec.k + spec.extra  # tetris, oracle
+
+    def _resync_draft(self, draft_cache: KVCache, active: list[Request]) -> None:
+        """Roll the draft back to the committed prefix it holds; what it lacks becomes its pending input."""
+        for request in active:
+            if request.finish_reason is not None:
+                continue
+            keep = min(int(draft_cache.lengths[request.slot]), request.num_tokens - 1)
+            draft_cache.lengths[request.slot] = keep
+            request.draft_pending = request.tokens_from(keep)
+
+    def _measure_acceptance(self, cache: KVCache, slots: torch.Tensor, last: torch.Tensor,
+                            proposal: speculative.Proposal, sampling, greedy_all: bool) -> torch.Tensor:
+        """Untimed target pass over all K' drafts: the true acceptance a[i,j] (B, K'), then roll the cache back."""
+        started = time.perf_counter()
+        before = cache.lengths[slots].clone()
+        full = torch.full((len(slots),), proposal.tokens.shape[1], dtype=torch.int64)
+        scored = speculative.score(self.target.transformer, cache, slots, last, proposal, full,
+                                   None if greedy_all else sampling)
+        cache.lengths[slots] = before
+        if greedy_all:
+            probs = greedy_acceptance_probs(proposal.tokens, scored.argmax)
+        else:
+            probs = acceptance_probs(proposal.tokens, proposal.probs, scored.probs)
+        self.stats.measure_s += time.perf_counter() - started
+        return probs
+
+    def _profile_step_time(self) -> StepTimeModel:
+        """Fit dsd's step-time model T(B, k) from timed target and draft forwards on scratch caches."""
+        from batchspec.profiling import profile_step_time
+
+        return profile_step_time(self.target.transformer, self.draft.transformer, self.max_batch_size,
+                                 self.spec.k_max)
+
+    # --- finishing ------------------------------------------------------------------------------------------------
 
     def _commit(self, request: Request, tokens: list[int], now: float) -> None:
         """Append emitted tokens to a request and decide whether it is finished."""

@@ -246,3 +246,14 @@ def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, device: str
                              f"{transformer.config.vocab_size}")
     name = "default" if str(spec) == "default" else Path(spec).name
     return LoadedModel(name, model_dir, transformer, tokenizer)
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Speculative decoding compares token ids: the draft must use the target's vocabulary, id for id."""
+    target_size, target_hash = target.tokenizer.fingerprint()
+    draft_size, draft_hash = draft.tokenizer.fingerprint()
+    if (target_size, target_hash) != (draft_size, draft_hash):
+        raise BatchspecError(
+            f"draft tokenizer does not match the target's ({draft.model_dir}: {draft_size} tokens, "
+            f"{target.model_dir}: {target_size} tokens{', different vocabulary' if draft_size == target_size else ''})"
+        )

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from batchspec.sampling import sample_with_uniforms
+
 
 def _gather_token_probs(probs: Tensor, tokens: Tensor) -> Tensor:
     """probs (B, K', V), tokens (B, K') -> probability of each token (B, K')."""
@@ -68,12 +70,14 @@ def verify(
     windows: Tensor,
     uniforms: Tensor,
     generator: torch.Generator | None = None,
+    next_uniforms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Batched speculative sampling on ragged windows; returns (num_accepted (B,), next_token (B,)), both int64.
 
     draft_tokens (B, K') int64; draft_probs (B, K', V) the processed q each draft was drawn from; target_probs
     (B, K'+1, V) the processed p at every draft position plus the bonus slot; windows (B,) int64 in [0, K'];
-    uniforms (B, K') in [0, 1) for the accept tests; `generator` drives the correction/bonus draw.
+    uniforms (B, K') in [0, 1) for the accept tests; the correction/bonus draw uses `next_uniforms` (B,) by inverse
+    CDF when given (so each request can bring draws from its own seeded generator), else `generator`.
     A window of 0 is an ordinary decoding step: next_token ~ p[:, 0].
     """
     batch_size, k_prime = draft_tokens.shape
@@ -93,7 +97,10 @@ def verify(
         next_dist = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)  # (B, V)
     else:
         next_dist = p_next
-    next_token = torch.multinomial(next_dist, 1, generator=generator).squeeze(1)  # (B,)
+    if next_uniforms is not None:
+        next_token = sample_with_uniforms(next_dist, next_uniforms)  # (B,)
+    else:
+        next_token = torch.multinomial(next_dist, 1, generator=generator).squeeze(1)  # (B,)
     return num_accepted, next_token
 
 

@@ -1,0 +1,122 @@
+"""One speculative step, as its stages: propose (draft) -> select (policy) -> verify (target) -> commit (caller).
+
+Cache convention, for both models: a request's cache holds its committed tokens except the ones listed as pending
+for that model. The target always has exactly one pending token (the last one emitted); the draft has one, or two
+when the target accepted every draft of the last step (the draft never ran on its own final proposal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from batchspec.errors import BatchspecError
+from batchspec.kv_cache import KVCache
+from batchspec.model import Transformer
+from batchspec.sampling import sample_with_uniforms, token_probs
+from batchspec.selection import POLICIES, validate_spec
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings. `capacity` None means C = k * B at each step (B = active requests)."""
+
+    policy: str = "ar"
+    k: int = 4
+    extra: int = 2
+    capacity: int | None = None
+    turn_on_batch_size: int = 1  # Tetris acts as sd below this many active requests
+    k_max: int = 8  # dsd's largest window
+    measure_oracle: bool = False  # untimed extra target pass over all K' drafts: true a, oracle_fraction
+
+    def validate(self, batch_size: int) -> None:
+        if self.policy not in POLICIES:
+            raise BatchspecError(f"unknown policy {self.policy!r}; valid policies: {', '.join(POLICIES)}")
+        if self.policy == "ar":
+            return
+        capacity = self.k * batch_size if self.capacity is None else self.capacity
+        validate_spec(self.k, self.extra, capacity, batch_size)
+        if self.policy == "dsd" and self.k_max < 1:
+            raise BatchspecError(f"k_max must be >= 1 for dsd (got {self.k_max})")
+
+    def capacity_for(self, batch_size: int) -> int:
+        return self.k * batch_size if self.capacity is None else self.capacity
+
+
+@dataclass
+class Proposal:
+    tokens: Tensor  # (B, K') int64 draft tokens
+    probs: Tensor | None  # (B, K', V) processed q each draft was drawn from; None when every request is greedy
+    logprobs: Tensor  # (B, K') selection scores: log q(d), from the unprocessed softmax for greedy requests
+
+
+@dataclass
+class Scored:
+    """Target output over [last, d_1 .. d_l] per request, padded to K'+1 positions."""
+
+    probs: Tensor | None  # (B, K'+1, V) processed p; None when every request is greedy
+    argmax: Tensor  # (B, K'+1) int64
+
+
+def ragged_inputs(pending: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+    """(num_new (B,), packed tokens (T,), rows of each request's last token (B,)) for a list of token lists."""
+    num_new = torch.tensor([len(p) for p in pending], dtype=torch.int64)
+    tokens = torch.tensor([t for p in pending for t in p], dtype=torch.int64)
+    return num_new, tokens, torch.cumsum(num_new, 0) - 1
+
+
+def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[list[int]], k_prime: int,
+            sampling: tuple[Tensor, Tensor, Tensor], uniforms: Tensor | None) -> Proposal:
+    """Run the draft K' sequential steps for the whole batch; step 1 also feeds each request's pending tokens.
+
+    sampling: (temperature, top_k, top_p), each (B,); uniforms (B, K') for the draws, None when all greedy.
+    """
+    greedy_all = uniforms is None
+    temperature = sampling[0]
+    num_new, tokens, last_rows = ragged_inputs(pending)
+    drafted, logprobs, probs = [], [], []
+    for step in range(k_prime):
+        logits = draft.forward(cache, slots, num_new, tokens, logit_rows=last_rows).logits  # (B, V)
+        log_softmax = logits.log_softmax(dim=-1)
+        if greedy_all:
+            token = logits.argmax(dim=-1)  # (B,)
+            score = log_softmax.gather(-1, token[:, None])[:, 0]
+        else:
+            q = token_probs(logits, *sampling)  # (B, V); one-hot for greedy rows
+            token = sample_with_uniforms(q, uniforms[:, step])
+            score = torch.where(temperature > 0, q.gather(-1, token[:, None])[:, 0].clamp_min(1e-30).log(),
+                                log_softmax.gather(-1, token[:, None])[:, 0])
+            probs.append(q)
+        drafted.append(token)
+        logprobs.append(score)
+        # The next step feeds the token just drafted: one new token per request.
+        num_new, tokens, last_rows = torch.ones_like(num_new), token, torch.arange(len(pending))
+    if k_prime == 0:
+        return Proposal(torch.zeros(len(pending), 0, dtype=torch.int64), None, torch.zeros(len(pending), 0))
+    return Proposal(torch.stack(drafted, 1), None if greedy_all else torch.stack(probs, 1),
+                    torch.stack(logprobs, 1))
+
+
+def score(target: Transformer, cache: KVCache, slots: Tensor, last: Tensor, proposal: Proposal, windows: Tensor,
+          sampling: tuple[Tensor, Tensor, Tensor] | None) -> Scored:
+    """One batched ragged target pass over [last, d_1 .. d_windows[i]] for every request.
+
+    last (B,) the pending token; windows (B,) int64. Returns p (or argmax) padded to (B, K'+1, ...).
+    """
+    batch, k_prime = proposal.tokens.shape
+    num_new = windows + 1  # (B,)
+    position = torch.arange(k_prime + 1)[None, :]  # (1, K'+1)
+    inputs = torch.cat([last[:, None], proposal.tokens], dim=1)  # (B, K'+1)
+    used = position < num_new[:, None]  # (B, K'+1) which inputs each request sends
+    logits = target.forward(cache, slots, num_new, inputs[used]).logits  # (T, V), T = sum(l) + B
+    argmax = torch.zeros(batch, k_prime + 1, dtype=torch.int64)
+    argmax[used] = logits.argmax(dim=-1)
+    if sampling is None:
+        return Scored(None, argmax)
+    rows = torch.repeat_interleave(torch.arange(batch), num_new)  # (T,) request of each scored position
+    p = token_probs(logits, sampling[0][rows], sampling[1][rows], sampling[2][rows])  # (T, V)
+    probs = torch.zeros(batch, k_prime + 1, p.shape[-1])
+    probs[used] = p
+    return Scored(probs, argmax)
