@@ -18,12 +18,12 @@ install: $(STAMP)
 fetch: install
 	$(BIN)/batchspec fetch
 
+# A real side-by-side comparison on HumanEval prompts (target alone, standard SD, DSD, Tetris), then one answer.
 demo: fetch
-	$(BIN)/batchspec generate --chat --max-tokens 64 --batch-size 4 \
-		--prompt "What is the capital of France?" \
-		--prompt "Write a Python function that reverses a string." \
-		--prompt "Give three tips for writing clear code." \
-		--prompt "Explain speculative decoding in one sentence."
+	$(BIN)/batchspec bench --dataset humaneval --num-prompts 8 --batch-size 8 --max-tokens 64 \
+		--policies ar,sd,dsd,tetris -k 4 --extra 2 --out runs/demo
+	$(BIN)/batchspec generate --chat --max-tokens 48 --policy tetris --draft default \
+		--prompt "What is the capital of France?"
 
 # pytest exits 5 when it collects nothing: that must fail CI, and it does (make propagates any non-zero code).
 test: fetch

@@ -21,13 +21,17 @@ from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
 
 
 def hf_generate(model, prompt_ids: list[list[int]], max_tokens: int, pad_id: int) -> list[list[int]]:
-    """Left-padded batched greedy generation with transformers, forced to exactly max_tokens new tokens."""
+    """Left-padded batched greedy generation with transformers, exactly max_tokens new tokens.
+
+    EOS is not a stop token here (generation_config.eos_token_id = None, set by the caller), matching
+    `ignore_eos=True` on our side: both continue past an EOS token in the same way, so outputs stay comparable.
+    """
     width = max(len(ids) for ids in prompt_ids)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in prompt_ids])
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
     with torch.inference_mode():
         out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id)
+                             do_sample=False, num_beams=1, pad_token_id=pad_id)
     return out[:, width:].tolist()
 
 
@@ -47,6 +51,7 @@ def main() -> None:
     loaded = load_model(args.target)
     engine = Engine(loaded, max_batch_size=max(int(b) for b in args.batch_sizes.split(",")))
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.model_dir), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # generate exactly --max-tokens, like ignore_eos below
     prompts = [humaneval_chat_prompt(p) for p in humaneval_prompts()]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     pad_id = min(loaded.eos_token_ids)

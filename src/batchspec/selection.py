@@ -104,6 +104,11 @@ def tetris_windows(draft_logprobs: Tensor, capacity: int) -> Tensor:
     """Tetris: top-C of s[i,j] = sum_{t<=j} log q[i,t] over all (i, j). (B, K') -> (B,) int64."""
     # log q <= 0 in exact arithmetic; the clamp keeps rounding (and NaN) from breaking monotonicity along K',
     # since fl(s + x) <= s for x <= 0.
+    if draft_logprobs.device.type == "cpu":
+        # numpy, for its ~1 us per-op overhead: fmax(NaN, -inf) = -inf ranks NaN last like nan_to_num would, and
+        # float64 partial sums of float32 values cannot overflow.
+        logprobs = np.fmax(np.minimum(draft_logprobs.numpy(), 0.0), -np.inf)  # (B, K')
+        return _top_capacity_windows(torch.from_numpy(logprobs.cumsum(axis=1, dtype=np.float64)), capacity)
     logprobs = torch.nan_to_num(draft_logprobs, nan=-math.inf).clamp(max=0.0)  # (B, K')
     return _top_capacity_windows(torch.cumsum(logprobs, dim=1), capacity)
 

@@ -1,0 +1,138 @@
+"""`batchspec distill` on a tiny configuration: end to end in seconds, lowers the KL, resumes; mismatched drafts
+are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from batchspec.default_models import default_draft_dir
+from batchspec.distill import DistillConfig, build_prompts, run_distill
+from batchspec.errors import BatchspecError
+from batchspec.loading import check_draft_compatible, load_model
+
+PROMPTS = [
+    "Complete the following Python function.\n\n```python\ndef add(a, b):\n    \"\"\"Return a + b.\"\"\"\n```",
+    "Write a Python function `is_even(n)` that returns True when n is even.",
+    "Explain what the following Python function does.\n\n```python\ndef f(x):\n    return x[::-1]\n```",
+    "Write a Python function `mean(xs)` that returns the arithmetic mean of a list of numbers.",
+    "Complete the following Python function.\n\n```python\ndef square(x):\n    \"\"\"Return x squared.\"\"\"\n```",
+    "Write a Python function `clamp(x, lo, hi)` that limits x to the interval [lo, hi].",
+]
+
+TINY = dict(num_prompts=6, forced_prompts=2, shard_size=3, gen_tokens=12, sample_fraction=0.5, top_k=8, hidden=32, layers=1,
+            heads=2, kv_heads=1, intermediate=64, steps=30, batch_tokens=512, lr=1e-2, save_every=15)
+
+
+@pytest.fixture
+def tiny_target(tiny_model_factory):
+    return tiny_model_factory(name="target", hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                              num_key_value_heads=1)
+
+
+def test_tiny_distillation_lowers_kl_and_loads(tiny_target, tmp_path):
+    out = tmp_path / "draft"
+    summary = run_distill(DistillConfig(target=str(tiny_target), **TINY), out, prompts=PROMPTS)
+    log = summary["log"]
+    assert log[0]["step"] == 0 and log[-1]["step"] == TINY["steps"]
+    assert log[-1]["val_kl"] < log[0]["val_kl"]
+    assert log[-1]["train_kl"] < log[0]["val_kl"]
+    draft, target = load_model(out), load_model(tiny_target)
+    check_draft_compatible(target, draft)
+    assert draft.config.hidden_size == 32 and draft.config.tie_word_embeddings
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
+    assert len(list((out / "work" / "data").glob("shard-0*.safetensors"))) == 2  # 6 generated answers
+    assert len(list((out / "work" / "data").glob("shard-forced-*.safetensors"))) == 2  # 2 teacher-forced
+
+
+def test_resume_continues_from_checkpoint(tiny_target, tmp_path):
+    out = tmp_path / "draft"
+    cfg = DistillConfig(target=str(tiny_target), **TINY)
+    run_distill(cfg, out, prompts=PROMPTS)
+    with pytest.raises(BatchspecError, match="--resume"):
+        run_distill(cfg, out, prompts=PROMPTS)
+    longer = DistillConfig(target=str(tiny_target), **{**TINY, "steps": 45})
+    log = run_distill(longer, out, resume=True, prompts=PROMPTS)["log"]
+    assert [entry["step"] for entry in log] == [0, 15, 30, 45]  # the first 30 steps were not redone
+    with pytest.raises(BatchspecError, match="different settings"):
+        run_distill(DistillConfig(target=str(tiny_target), **{**TINY, "hidden": 64}), out, resume=True)
+
+
+def test_interrupted_run_resumes_exactly(tiny_target, tmp_path, monkeypatch):
+    import batchspec.distill as distill
+
+    cfg = DistillConfig(target=str(tiny_target), **TINY)
+    straight = run_distill(cfg, tmp_path / "a", prompts=PROMPTS)["log"]
+    save = distill.save_checkpoint
+
+    def save_then_interrupt(work, model, optimizer, step, log):
+        save(work, model, optimizer, step, log)
+        if step == 15:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "save_checkpoint", save_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run_distill(cfg, tmp_path / "b", prompts=PROMPTS)
+    monkeypatch.setattr(distill, "save_checkpoint", save)
+    resumed = run_distill(cfg, tmp_path / "b", resume=True, prompts=PROMPTS)["log"]
+    assert [e["step"] for e in resumed] == [0, 15, 30]
+    assert resumed[-1]["val_kl"] == pytest.approx(straight[-1]["val_kl"], rel=1e-4)
+
+
+def test_stdlib_prompts_are_seeded_and_prefix_stable():
+    few, more = build_prompts(6, seed=3, pool_size=200), build_prompts(12, seed=3, pool_size=200)
+    assert few == more[:6] and len(set(more)) == 12
+    assert build_prompts(6, seed=4, pool_size=200) != few
+
+
+def test_draft_with_other_tokenizer_is_refused(tiny_model_factory):
+    target_dir = tiny_model_factory(name="target")
+    other_dir = tiny_model_factory(name="other")
+    tokenizer = json.loads((other_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]  # same size, two ids swapped
+    (other_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    target = load_model(target_dir)
+    with pytest.raises(BatchspecError, match="draft tokenizer does not match the target's"):
+        check_draft_compatible(target, load_model(other_dir))
+    check_draft_compatible(target, load_model(target_dir))
+
+
+def test_draft_with_other_vocabulary_size_is_refused(tiny_model_factory):
+    target = load_model(tiny_model_factory(name="target"))
+    bigger = load_model(tiny_model_factory(name="bigger", vocab_size=49160))
+    with pytest.raises(BatchspecError, match="vocabulary size"):
+        check_draft_compatible(target, bigger)
+
+
+def test_default_draft_dir_is_a_small_model():
+    path = default_draft_dir()
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert size <= 50 * 2**20
+    assert (path / "tokenizer.json").is_file() and (path / "MODEL_CARD.md").is_file()
+
+
+def test_missing_default_draft_is_a_clear_error(monkeypatch, tmp_path):
+    import batchspec.default_models as default_models
+
+    monkeypatch.setattr(default_models, "DEFAULT_DRAFT_DIR_NAME", "no-such-draft")
+    with pytest.raises(BatchspecError, match="default draft is missing"):
+        default_models.default_draft_dir()
+
+
+def test_cli_options_are_validated():
+    import argparse
+
+    from batchspec.distill import add_distill_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_distill_parser(parser.add_subparsers())
+    with pytest.raises(BatchspecError, match="--hidden"):
+        config_from_args(parser.parse_args(["distill", "--out", "x", "--hidden", "0"]))
+    torch.manual_seed(0)  # keep global RNG use of other tests unaffected
+    args = parser.parse_args(["distill", "--out", "x", "--steps", "7", "--layers", "2"])
+    assert config_from_args(args).steps == 7 and args.run.__name__ == "cmd_distill"
+    shutil.rmtree("x", ignore_errors=True)
