@@ -232,7 +232,7 @@ class Engine:
             logits = self._run_target(cache, slots, num_new, tokens, last_rows)
             if draft_cache is not None:
                 started = time.perf_counter()
-                draft_cache.lengths[slots] = 0
+                draft_cache.lengths[slots] = 0  # the draft cache mirrors the target's slot numbers; start empty
                 self.draft.transformer.forward(draft_cache, slots, num_new, tokens, all_logits=False)
                 self.stats.draft_s += time.perf_counter() - started
             self._sample_and_commit(group, logits)
@@ -318,7 +318,7 @@ class Engine:
         self._count_target(time.perf_counter() - started, int(windows.sum()) + batch)
 
         # Commit: roll the target back to the accepted prefix, the draft to what it has of it.
-        target_cache.lengths[slots] = before + 1 + accepted
+        target_cache.truncate_many(slots, before + 1 + accepted)
         emitted_before = stats.emitted_tokens
         now = time.perf_counter()
         drafts, accepted_list = proposal.tokens.tolist(), accepted.tolist()
@@ -356,7 +356,7 @@ class Engine:
             if request.finish_reason is not None:
                 continue
             keep = min(int(draft_cache.lengths[request.slot]), request.num_tokens - 1)
-            draft_cache.lengths[request.slot] = keep
+            draft_cache.truncate(request.slot, keep)
             request.draft_pending = request.tokens_from(keep)
 
     def _measure_acceptance(self, cache: KVCache, slots: torch.Tensor, last: torch.Tensor,
@@ -367,7 +367,7 @@ class Engine:
         full = torch.full((len(slots),), proposal.tokens.shape[1], dtype=torch.int64)
         scored = speculative.score(self.target.transformer, cache, slots, last, proposal, full,
                                    None if greedy_all else sampling)
-        cache.lengths[slots] = before
+        cache.truncate_many(slots, before)
         if greedy_all:
             probs = greedy_acceptance_probs(proposal.tokens, scored.argmax)
         else:
