@@ -28,27 +28,18 @@ def test_dataset_loaders(tmp_path):
     assert load_dataset(f"sharegpt:{share}", 10) == ["hi"]
 
 
-@pytest.mark.parametrize("content,needle", [
-    ('{"prompt": 3}\n', 'string "prompt" field'),
-    ("not json\n", "invalid JSON"),
+@pytest.mark.parametrize("kind,suffix,content,needle", [
+    ("jsonl", ".jsonl", '{"prompt": 3}\n', 'string "prompt" field'),
+    ("jsonl", ".jsonl", "not json\n", "invalid JSON"),
+    ("sharegpt", ".json", "{}", "JSON list"),
+    ("sharegpt", ".json", '[{"no": 1}]', "conversations"),
+    ("sharegpt", ".json", "[", "invalid JSON"),
 ])
-def test_malformed_jsonl(tmp_path, content, needle):
-    path = tmp_path / "bad.jsonl"
+def test_malformed_prompt_files(tmp_path, kind, suffix, content, needle):
+    path = tmp_path / f"bad{suffix}"
     path.write_text(content)
     with pytest.raises(BatchspecError, match=needle):
-        load_dataset(f"jsonl:{path}", 10)
-
-
-@pytest.mark.parametrize("content,needle", [
-    ("{}", "JSON list"),
-    ('[{"no": 1}]', "conversations"),
-    ("[", "invalid JSON"),
-])
-def test_malformed_sharegpt(tmp_path, content, needle):
-    path = tmp_path / "bad.json"
-    path.write_text(content)
-    with pytest.raises(BatchspecError, match=needle):
-        load_dataset(f"sharegpt:{path}", 10)
+        load_dataset(f"{kind}:{path}", 10)
 
 
 def test_unknown_dataset_and_policy():

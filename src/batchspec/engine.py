@@ -21,8 +21,8 @@ from batchspec.kv_cache import KVCache
 from batchspec.loading import LoadedModel, check_draft_compatible, load_model
 from batchspec.metrics import RunStats, summarize
 from batchspec.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
-from batchspec.selection import (AcceptanceEMA, StepTimeModel, dsd_choose_k, expected_accepted, oracle_windows,
-                                 sd_windows, tetris_windows)
+from batchspec.selection import (AcceptanceEMA, StepTimeModel, draft_length, dsd_choose_k, expected_accepted,
+                                 oracle_windows, select_windows)
 from batchspec.speculative import SpecConfig
 from batchspec.verification import acceptance_probs, greedy_acceptance_probs, verify, verify_greedy
 
@@ -302,12 +302,8 @@ class Engine:
 
         started = time.perf_counter()
         capacity = min(spec.capacity_for(batch), batch * k_prime)
-        if spec.policy == "tetris" and batch >= spec.turn_on_batch_size:
-            windows = tetris_windows(proposal.logprobs, capacity)
-        elif spec.policy == "oracle":
-            windows = oracle_windows(accept_probs, capacity)
-        else:  # sd, dsd, and tetris below its turn-on batch size
-            windows = sd_windows(batch, k, k_prime)
+        windows = select_windows(spec.policy, draft_logprobs=proposal.logprobs, k=k, capacity=capacity,
+                                 turn_on_batch_size=spec.turn_on_batch_size, accept_probs=accept_probs)
         stats.select_s += time.perf_counter() - started
 
         before = target_cache.lengths[slots].clone()  # (B,) committed tokens minus the pending one
@@ -347,12 +343,8 @@ class Engine:
     def _window_sizes(self, batch: int) -> tuple[int, int]:
         """(k, K') for this step: the sd window and how many tokens the draft proposes."""
         spec = self.spec
-        if spec.policy == "dsd":
-            k = dsd_choose_k(self.acceptance.value, batch, spec.k_max, self._step_time)
-            return k, k
-        if spec.policy == "sd" or (spec.policy == "tetris" and batch < spec.turn_on_batch_size):
-            return spec.k, spec.k
-        return spec.k, spec.k + spec.extra  # tetris, oracle
+        k = dsd_choose_k(self.acceptance.value, batch, spec.k_max, self._step_time) if spec.policy == "dsd" else spec.k
+        return k, draft_length(spec.policy, k, spec.extra, batch, spec.turn_on_batch_size)
 
     def _resync_draft(self, draft_cache: KVCache, active: list[Request]) -> None:
         """Roll the draft back to the committed prefix it holds; what it lacks becomes its pending input."""

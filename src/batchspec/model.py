@@ -260,8 +260,3 @@ class Transformer:
         """Index of each packed token within its request's append: [0..n0-1, 0..n1-1, ...] (T,)."""
         first = torch.cumsum(num_new, 0) - num_new  # (B,) packed index of each request's first token
         return torch.arange(total) - torch.repeat_interleave(first, num_new)
-
-    def last_token_rows(self, num_new: torch.Tensor) -> torch.Tensor:
-        """Packed indices of each request's last new token (B,) — for plain decoding only those need logits."""
-        num_new = num_new[num_new > 0]
-        return torch.cumsum(num_new, 0) - 1

@@ -16,7 +16,7 @@ from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
 from batchspec.model import Transformer
 from batchspec.sampling import sample_with_uniforms, token_probs
-from batchspec.selection import POLICIES, validate_spec
+from batchspec.selection import check_policy, default_capacity, validate_spec
 
 
 @dataclass(frozen=True)
@@ -32,17 +32,14 @@ class SpecConfig:
     measure_oracle: bool = False  # untimed extra target pass over all K' drafts: true a, oracle_fraction
 
     def validate(self, batch_size: int) -> None:
-        if self.policy not in POLICIES:
-            raise BatchspecError(f"unknown policy {self.policy!r}; valid policies: {', '.join(POLICIES)}")
-        if self.policy == "ar":
+        if check_policy(self.policy) == "ar":
             return
-        capacity = self.k * batch_size if self.capacity is None else self.capacity
-        validate_spec(self.k, self.extra, capacity, batch_size)
+        validate_spec(self.k, self.extra, self.capacity_for(batch_size), batch_size)
         if self.policy == "dsd" and self.k_max < 1:
             raise BatchspecError(f"k_max must be >= 1 for dsd (got {self.k_max})")
 
     def capacity_for(self, batch_size: int) -> int:
-        return self.k * batch_size if self.capacity is None else self.capacity
+        return default_capacity(self.k, batch_size) if self.capacity is None else self.capacity
 
 
 @dataclass
