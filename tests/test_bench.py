@@ -62,10 +62,53 @@ def test_results_schema_and_files(tmp_path, tiny_model_factory):
             assert name in run, name
         assert run["match_ar"] == 1.0  # lossless at temperature 0, even with a random draft
     out = tmp_path / "bench"
-    write_results(results, out)
+    plots = write_results(results, out)
+    assert {p.name for p in plots} >= {"throughput.png", "tetris_shape.png", "position_acceptance.png"}
     assert json.loads((out / "results.json").read_text())["runs"][0]["policy"] == "ar"
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["policy"] for r in rows] == ["ar", "sd", "tetris", "oracle"]
     table = format_table(results)
     assert "tetris" in table and "tokens_per_s ratios" in table
+
+
+def test_sweep_baselines_and_skipped_prompts(tmp_path, tiny_model_factory):
+    """A batch-size sweep gives one run per point and policy; transformers rows match ar; long prompts skipped."""
+    target = load_model(tiny_model_factory(name="target", seed=0))  # context 256 tokens
+    draft = load_model(tiny_model_factory(name="draft", seed=1, hidden_size=32, intermediate_size=64))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "word " * 400, "import os"]))
+    config = BenchConfig(dataset=f"jsonl:{prompts}", num_prompts=3, policies=("ar", "tetris"), max_tokens=5,
+                         spec=SpecConfig(k=2, extra=1), sweep={"batch_size": (1, 2)}, chat=False,
+                         baselines=("hf_generate", "hf_assisted_b1"), baseline_prompts=1)
+    results = run_bench(config, target, draft)
+    assert results["config"]["skipped_prompts"] == 1 and results["config"]["num_prompts"] == 2
+    assert [(r["batch_size"], r["policy"]) for r in results["runs"]] == [(1, "ar"), (1, "tetris"), (2, "ar"),
+                                                                          (2, "tetris")]
+    assert all(r["match_ar"] == 1.0 for r in results["runs"])
+    hf = {b["policy"]: b for b in results["baselines"]}
+    assert hf["hf_generate"]["num_prompts"] == 2 and hf["hf_assisted_b1"]["num_prompts"] == 1
+    assert all(b["match_ar"] == 1.0 and b["library"].startswith("transformers") for b in hf.values())
+    table = format_table(results)
+    assert "[batch_size=2]" in table and "hf_assisted_b1" in table and "skipped 1 prompt" in table
+    plots = write_results(results, tmp_path / "out")
+    assert (tmp_path / "out" / "plots" / "sweep_batch_size.png") in plots
+
+
+def test_sharegpt_auto_max_tokens_and_bad_sweep(tmp_path, tiny_model_factory):
+    from batchspec.bench import parse_sweep, prepare_prompts
+
+    target = load_model(tiny_model_factory(name="target", seed=0))
+    share = tmp_path / "s.json"
+    share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"},
+                                                    {"from": "gpt", "value": "hello there, friend"}]}]))
+    prompts, limits, skipped = prepare_prompts(BenchConfig(dataset=f"sharegpt:{share}", max_tokens=None),
+                                               target, None)
+    assert prompts == ["hi"] and limits == [len(target.tokenizer.encode("hello there, friend"))] and skipped == 0
+    with pytest.raises(BatchspecError, match="auto"):
+        BenchConfig(max_tokens=None).validate()
+    assert parse_sweep(["k=1..3", "batch_size=2,4"]) == {"k": (1, 2, 3), "batch_size": (2, 4)}
+    with pytest.raises(BatchspecError, match="AXIS"):
+        parse_sweep(["k=one"])
+    with pytest.raises(BatchspecError, match="cannot sweep"):
+        BenchConfig(sweep={"temperature": (1,)}).validate()

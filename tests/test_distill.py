@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from batchspec.default_models import default_draft_dir
-from batchspec.distill import DistillConfig, build_prompts, run_distill
+from batchspec.distill import DistillConfig, run_distill
+from batchspec.teacher_data import build_prompts
 from batchspec.errors import BatchspecError
 from batchspec.loading import check_draft_compatible, load_model
 
@@ -48,6 +49,22 @@ def test_tiny_distillation_lowers_kl_and_loads(tiny_target, tmp_path):
     assert len(list((out / "work" / "data").glob("shard-forced-*.safetensors"))) == 2  # 2 teacher-forced
 
 
+def test_draft_from_target_layers(tiny_target, tmp_path):
+    """--init-layers: the draft is a slice of the target (its embedding, chosen layers, norm) that training adapts."""
+    out = tmp_path / "draft"
+    cfg = DistillConfig(target=str(tiny_target), **{**TINY, "init_layers": "-1", "freeze_embedding": True})
+    log = run_distill(cfg, out, prompts=PROMPTS)["log"]
+    assert log[-1]["val_kl"] < log[0]["val_kl"]
+    draft, target = load_model(out), load_model(tiny_target)
+    check_draft_compatible(target, draft)
+    assert draft.config.num_layers == 1 and draft.config.hidden_size == target.config.hidden_size
+    # frozen: the embedding is the target's, up to the float16 export
+    assert torch.allclose(draft.transformer.embed, target.transformer.embed, atol=1e-3)
+    with pytest.raises(BatchspecError, match="init-layers"):
+        run_distill(DistillConfig(target=str(tiny_target), **{**TINY, "init_layers": "0,7"}), tmp_path / "bad",
+                    prompts=PROMPTS)
+
+
 def test_resume_continues_from_checkpoint(tiny_target, tmp_path):
     out = tmp_path / "draft"
     cfg = DistillConfig(target=str(tiny_target), **TINY)
@@ -83,9 +100,9 @@ def test_interrupted_run_resumes_exactly(tiny_target, tmp_path, monkeypatch):
 
 
 def test_stdlib_prompts_are_seeded_and_prefix_stable():
-    few, more = build_prompts(6, seed=3, pool_size=200), build_prompts(12, seed=3, pool_size=200)
+    few, more = build_prompts(6, seed=3), build_prompts(12, seed=3)
     assert few == more[:6] and len(set(more)) == 12
-    assert build_prompts(6, seed=4, pool_size=200) != few
+    assert build_prompts(6, seed=4) != few
 
 
 def test_draft_with_other_tokenizer_is_refused(tiny_model_factory):

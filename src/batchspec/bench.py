@@ -1,31 +1,29 @@
 """`batchspec bench`: policies side by side on the same prompts and seeds, interleaved, written as data.
 
 Each trial runs every policy once on the same prompts (so machine noise hits all alike), after an untimed warm-up.
-Results: DIR/results.json (`{"config": ..., "runs": [...]}` with the DESIGN.md section 6 fields), DIR/results.csv,
-and the table printed on stdout.
+`sweep` repeats that for every combination of batch size, k, extra and capacity values. Prompts too long for the
+context are skipped and counted. Transformers baselines (`baselines.py`) run once at the end on the same prompts.
+Results (`bench_report.py`): DIR/results.json (`{"config": ..., "runs": [...], "baselines": [...]}` with the
+DESIGN.md section 6 fields), DIR/results.csv, DIR/plots/*.png, and the table printed on stdout.
 """
 
 from __future__ import annotations
 
-import csv
-import json
+import itertools
 import platform
-import statistics
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 
+from batchspec.baselines import check_baselines, run_baseline
+from batchspec.bench_report import POINT_FIELDS, TABLE_FIELDS, format_table, summary_rows, write_results  # noqa: F401
 from batchspec.engine import Engine
 from batchspec.errors import BatchspecError
 from batchspec.loading import LoadedModel
-from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts, load_prompts_file
+from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts, load_prompts_file, sharegpt_prompts
 from batchspec.sampling import SamplingParams
 from batchspec.selection import POLICIES
 from batchspec.speculative import SpecConfig
-
-TABLE_FIELDS = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "system_efficiency", "target_calls",
-                "oracle_fraction", "match_ar", "select_us_per_step")
 
 
 @dataclass
@@ -35,57 +33,182 @@ class BenchConfig:
     batch_size: int = 16
     policies: tuple[str, ...] = ("ar", "sd", "dsd", "tetris")
     spec: SpecConfig = field(default_factory=SpecConfig)
-    max_tokens: int = 128
+    max_tokens: int | None = 128  # None: each ShareGPT prompt's reply length in tokens (`--max-tokens auto`)
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     trials: int = 1
     chat: bool = True  # wrap prompts in the target's chat template (instruct models)
+    record_trace: str | None = None  # write an acceptance trace of trial 0 of `trace_policy(policies)` here
+    sweep: dict[str, tuple[int, ...]] = field(default_factory=dict)  # axis (POINT_FIELDS) -> values
+    baselines: tuple[str, ...] = ()  # baselines.BASELINES
+    baseline_prompts: int = 4  # prompts for the (slow) batch-1 baselines; hf_generate uses all
 
     def validate(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
         if unknown:
             raise BatchspecError(f"unknown policy {unknown[0]!r}; valid policies: {', '.join(POLICIES)}")
-        if self.num_prompts < 1 or self.trials < 1:
-            raise BatchspecError("--num-prompts and --trials must be at least 1")
+        if self.num_prompts < 1 or self.trials < 1 or self.baseline_prompts < 1:
+            raise BatchspecError("--num-prompts, --trials and --baseline-prompts must be at least 1")
+        if self.max_tokens is None and not self.dataset.startswith("sharegpt:"):
+            raise BatchspecError("--max-tokens auto needs a sharegpt:PATH dataset (the reply lengths)")
+        for axis, values in self.sweep.items():
+            if axis not in POINT_FIELDS:
+                raise BatchspecError(f"cannot sweep {axis!r}; sweepable: {', '.join(POINT_FIELDS)}")
+            if not values or min(values) < (1 if axis in ("batch_size", "k") else 0):
+                raise BatchspecError(f"--sweep {axis}: values must be {'>= 1' if axis in ('batch_size', 'k') else '>= 0'}")
+        check_baselines(self.baselines)
+        if self.baselines and self.max_tokens is None:
+            raise BatchspecError("--baselines needs a fixed --max-tokens (not auto)")
+        if self.record_trace and (not self.spec.measure_oracle or trace_policy(self.policies) is None):
+            raise BatchspecError("--record-trace needs --measure-oracle and a speculative policy (sd, dsd, tetris "
+                                 "or oracle)")
+
+
+def trace_policy(policies) -> str | None:
+    """The run a trace records: tetris or oracle first (they draft all k + extra tokens the simulator needs)."""
+    return next((p for p in ("tetris", "oracle", "sd", "dsd") if p in policies), None)
 
 
 def load_dataset(spec: str, limit: int) -> list[str]:
     """`humaneval` (chat-formatted task prompts), `jsonl:PATH` or `sharegpt:PATH` -> at most `limit` prompts."""
+    return [prompt for prompt, _ in load_dataset_with_replies(spec, limit)]
+
+
+def load_dataset_with_replies(spec: str, limit: int) -> list[tuple[str, str | None]]:
+    """(prompt, reference reply or None): ShareGPT files carry the reply that `--max-tokens auto` measures."""
     if spec == "humaneval":
-        prompts = [humaneval_chat_prompt(p) for p in humaneval_prompts()]
-    elif spec.startswith(("jsonl:", "sharegpt:")):
-        prompts = load_prompts_file(spec.split(":", 1)[1])
+        pairs = [(humaneval_chat_prompt(p), None) for p in humaneval_prompts()]
+    elif spec.startswith("sharegpt:"):
+        pairs = sharegpt_prompts(spec.split(":", 1)[1])
+    elif spec.startswith("jsonl:"):
+        pairs = [(p, None) for p in load_prompts_file(spec.split(":", 1)[1])]
     else:
         raise BatchspecError(f"unknown dataset {spec!r}: use humaneval, jsonl:PATH or sharegpt:PATH")
-    return prompts[:limit]
+    if not pairs:
+        raise BatchspecError(f"dataset {spec} holds no prompts")
+    return pairs[:limit]
+
+
+def parse_sweep(items: list[str]) -> dict[str, tuple[int, ...]]:
+    """["batch_size=1,8,16", "k=1..6"] -> {"batch_size": (1, 8, 16), "k": (1, 2, 3, 4, 5, 6)}."""
+    sweep = {}
+    for item in items:
+        axis, _, values = item.partition("=")
+        axis = axis.strip().replace("-", "_")
+        try:
+            if ".." in values:
+                low, high = (int(v) for v in values.split(".."))
+                numbers = tuple(range(low, high + 1))
+            else:
+                numbers = tuple(int(v) for v in values.split(",") if v.strip())
+        except ValueError:
+            raise BatchspecError(f"--sweep {item!r}: expected AXIS=1,2,4 or AXIS=LOW..HIGH with integers") from None
+        if not numbers:
+            raise BatchspecError(f"--sweep {item!r}: no values")
+        sweep[axis] = numbers
+    return sweep
+
+
+def sweep_points(config: BenchConfig) -> list[BenchConfig]:
+    """One config per combination of swept values (just `config` without a sweep)."""
+    axes = list(config.sweep)
+    points = []
+    for values in itertools.product(*(config.sweep[a] for a in axes)):
+        point = dict(zip(axes, values))
+        spec = replace(config.spec, **{a: point[a] for a in ("k", "extra", "capacity") if a in point})
+        points.append(replace(config, batch_size=point.get("batch_size", config.batch_size), spec=spec))
+    return points
+
+
+def prepare_prompts(config: BenchConfig, target: LoadedModel,
+                    draft: LoadedModel | None) -> tuple[list[str], list[int], int]:
+    """(prompts, max_tokens per prompt, number skipped): prompts too long for the context are dropped, not fatal."""
+    context = target.config.max_position_embeddings
+    if draft is not None:
+        context = min(context, draft.config.max_position_embeddings)
+    engine, tokenizer = Engine(target), target.tokenizer
+    kept, limits, skipped = [], [], 0
+    for prompt, reply in load_dataset_with_replies(config.dataset, config.num_prompts):
+        if not prompt.strip():
+            skipped += 1
+            continue
+        limit = config.max_tokens if config.max_tokens is not None else max(1, len(tokenizer.encode(reply or "")))
+        if len(engine.encode_prompt(prompt, config.chat)) + limit > context:
+            skipped += 1
+            continue
+        kept.append(prompt)
+        limits.append(limit)
+    if not kept:
+        raise BatchspecError(f"no prompt of {config.dataset} fits the context window of {context} tokens")
+    return kept, limits, skipped
 
 
 def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
               progress: bool = False) -> dict:
     config.validate()
-    prompts = load_dataset(config.dataset, config.num_prompts)
-    params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p,
-                            seed=config.seed)
-    engines = {policy: Engine(target, None if policy == "ar" else draft, replace(config.spec, policy=policy),
-                              max_batch_size=config.batch_size, seed=config.seed)
-               for policy in config.policies}
-    for policy, engine in engines.items():  # untimed warm-up (and dsd's step-time profiling)
-        engine.generate(prompts[:2], replace(params, max_tokens=8), chat=config.chat)
-
+    prompts, limits, skipped = prepare_prompts(config, target, draft)
+    params = [SamplingParams(max_tokens=m, temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+              for m in limits]
     runs, outputs = [], {}
-    for trial in range(config.trials):
-        for policy, engine in engines.items():
-            result = engine.generate(prompts, params, chat=config.chat, progress=progress)
-            outputs[(trial, policy)] = [o.token_ids for o in result]
-            metrics = engine.metrics()
-            metrics.update(policy=policy, trial=trial, window_history=engine.stats.window_history)
-            runs.append(metrics)
+    recorder, traced_requests = _trace_recorder(config), None
+    for index, point in enumerate(sweep_points(config)):
+        engines = {policy: Engine(target, None if policy == "ar" else draft, replace(point.spec, policy=policy),
+                                  max_batch_size=point.batch_size, seed=config.seed)
+                   for policy in config.policies}
+        for engine in engines.values():  # untimed warm-up (and dsd's step-time profiling)
+            engine.generate(prompts[:2], replace(params[0], max_tokens=8), chat=config.chat)
+        for trial in range(config.trials):
+            for policy, engine in engines.items():
+                traced = recorder is not None and (index, trial) == (0, 0) and policy == trace_policy(config.policies)
+                engine.trace = recorder if traced else None
+                result = engine.generate(prompts, params, chat=config.chat, progress=progress)
+                if traced:
+                    traced_requests, engine.trace = engine.last_requests, None
+                outputs[(index, trial, policy)] = [o.token_ids for o in result]
+                metrics = engine.metrics()
+                metrics.update(policy=policy, trial=trial, point=index, batch_size=point.batch_size, k=point.spec.k,
+                               extra=point.spec.extra, capacity=point.spec.capacity,
+                               window_history=engine.stats.window_history)
+                runs.append(metrics)
     for run in runs:
-        reference = outputs.get((run["trial"], "ar"))
-        mine = outputs[(run["trial"], run["policy"])]
+        reference = outputs.get((run["point"], run["trial"], "ar"))
+        mine = outputs[(run["point"], run["trial"], run["policy"])]
         run["match_ar"] = (sum(a == b for a, b in zip(mine, reference)) / len(mine)) if reference else None
-    return {"config": _config_dict(config, target, draft, len(prompts)), "runs": runs}
+    results = {"config": {**_config_dict(config, target, draft, len(prompts)), "skipped_prompts": skipped},
+               "runs": runs, "baselines": []}
+    if config.baselines:
+        engine = Engine(target)
+        prompt_ids = [engine.encode_prompt(p, config.chat) for p in prompts]
+        reference = outputs.get((0, 0, "ar"))
+        for name in config.baselines:
+            count = len(prompts) if name == "hf_generate" else min(len(prompts), config.baseline_prompts)
+            results["baselines"].append(run_baseline(name, target, draft, prompt_ids[:count], limits[0],
+                                                     config.batch_size, reference[:count] if reference else None))
+    if recorder is not None:
+        _save_trace(recorder, traced_requests, results)
+    return results
+
+
+def _trace_recorder(config: BenchConfig):
+    if not config.record_trace:
+        return None
+    from batchspec.trace import TraceRecorder
+
+    return TraceRecorder()
+
+
+def _save_trace(recorder, requests, results: dict) -> None:
+    """The trace file: the recorded steps, the bench configuration, and trial 0's measured metrics of every policy."""
+    from batchspec.trace import save_trace
+
+    config = results["config"]
+    policy = trace_policy(config["policies"])
+    first = {r["policy"]: {k: v for k, v in r.items() if k != "window_history"} for r in results["runs"]
+             if r["trial"] == 0}
+    meta = {**{k: v for k, v in config.items() if k not in ("spec", "policies", "trials")}, **config["spec"],
+            "policy": policy, "run": first[policy], "bench_runs": first}
+    save_trace(recorder.to_trace(requests, meta), config["record_trace"])
 
 
 def _config_dict(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None, num_prompts: int) -> dict:
@@ -98,45 +221,3 @@ def _config_dict(config: BenchConfig, target: LoadedModel, draft: LoadedModel | 
     out["threads"] = torch.get_num_threads()
     out["machine"] = platform.processor() or platform.machine()
     return out
-
-
-def summary_rows(results: dict) -> list[dict]:
-    """One row per policy: the median over trials of each table field."""
-    rows = []
-    for policy in results["config"]["policies"]:
-        runs = [r for r in results["runs"] if r["policy"] == policy]
-        row = {"policy": policy}
-        for name in TABLE_FIELDS:
-            values = [r[name] for r in runs if r.get(name) is not None]
-            row[name] = statistics.median(values) if values else None
-        rows.append(row)
-    return rows
-
-
-def format_table(results: dict) -> str:
-    rows = summary_rows(results)
-    header = f"{'policy':>8} " + " ".join(f"{name:>17}" for name in TABLE_FIELDS)
-    lines = [header]
-    for row in rows:
-        cells = []
-        for name in TABLE_FIELDS:
-            value = row[name]
-            cells.append(f"{'-':>17}" if value is None else f"{value:>17.3f}" if isinstance(value, float)
-                         else f"{value:>17}")
-        lines.append(f"{row['policy']:>8} " + " ".join(cells))
-    base = {r["policy"]: r["tokens_per_s"] for r in rows}
-    if "tetris" in base:
-        ratios = [f"tetris/{p} = {base['tetris'] / base[p]:.3f}" for p in ("sd", "dsd", "ar") if base.get(p)]
-        lines.append("tokens_per_s ratios: " + ", ".join(ratios))
-    return "\n".join(lines)
-
-
-def write_results(results: dict, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-    flat = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in run.items() if k != "window_history"}
-            for run in results["runs"]]
-    with open(out_dir / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(flat[0]))
-        writer.writeheader()
-        writer.writerows(flat)

