@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     results["target_forced_greedy_match"] = float(torch.cat(
         [t.argmax(-1) == a for t, a in zip(target_logits, answers)]).float().mean())  # sanity: ~1.0
     results.update(forward_costs(target, draft, [i for i, _ in pairs], args.batch_size, args.timing_reps))
+    batch_one = forward_costs(target, draft, [i for i, _ in pairs], 1, args.timing_reps)
+    results.update({f"{key}_b1": value for key, value in batch_one.items()})
     results.update({"num_prompts": len(prompts), "answer_tokens": sum(len(a) for a in answers), "k": args.k,
                     "batch_size": args.batch_size, "target_generate_s": generate_s,
                     "draft": str(draft.model_dir), "draft_parameters": draft.transformer.num_parameters(),
@@ -149,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         (f"forward ms, batch {args.batch_size} decode: draft / target",
          f"{results['draft_forward_ms']:.1f} / {results['target_forward_ms']:.1f}"),
         ("cost ratio draft / target", f"{results['cost_ratio']:.3f}"),
+        ("forward ms, batch 1 decode: draft / target",
+         f"{results['draft_forward_ms_b1']:.1f} / {results['target_forward_ms_b1']:.1f}"),
+        ("cost ratio draft / target, batch 1", f"{results['cost_ratio_b1']:.3f}"),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

@@ -1,9 +1,18 @@
-"""Step-time profiling for dsd: time real target and draft forwards on this machine and fit T(B, k)."""
+"""Step-time profiling for dsd: time real target and draft forwards on this machine and fit T(B, k).
+
+Profiles are cached as JSON under `<cache>/profiles/`, keyed by both models' configurations and a fingerprint of
+their weights, the grid, the torch version, thread count and CPU: a second run on the same machine reuses the fit
+instead of spending ~10-30 s re-timing forwards. Delete the directory (or set BATCHSPEC_CACHE) to re-profile.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import platform
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 
@@ -26,6 +35,37 @@ def _time_forward(model: Transformer, batch: int, tokens_each: int, repeats: int
         model.forward(cache, slots, num_new, tokens)
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])
+
+
+def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> str:
+    def model_id(model: Transformer) -> dict:
+        weights = model.embed.float()
+        return {"config": model.config.as_dict(), "embed": [float(weights[:64].sum()), float(weights[-64:].sum())],
+                "dtype": str(weights.dtype)}
+
+    key = {"target": model_id(target), "draft": model_id(draft), "max_batch": max_batch, "k_max": k_max,
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
+           "machine": platform.machine(), "node": platform.node()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cached_step_time(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> StepTimeModel:
+    """`profile_step_time`, remembered on disk for this machine and model pair."""
+    from batchspec.default_models import cache_root
+
+    path = cache_root() / "profiles" / f"step-time-{_profile_key(target, draft, max_batch, k_max)}.json"
+    try:
+        return StepTimeModel(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass  # absent or unreadable: profile again
+    model = profile_step_time(target, draft, max_batch, k_max)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(asdict(model)))
+        path.with_suffix(".tmp").rename(path)
+    except OSError:
+        pass  # a read-only cache only costs the re-profiling
+    return model
 
 
 def profile_step_time(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> StepTimeModel:

@@ -1,0 +1,25 @@
+"""dsd's step-time profile is fitted once per machine and model pair, then read back from the cache."""
+
+from __future__ import annotations
+
+import batchspec.profiling as profiling
+from batchspec.loading import load_model
+
+
+def test_step_time_profile_is_cached(tmp_path, monkeypatch, tiny_model_factory):
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
+    target = load_model(tiny_model_factory(name="target", seed=0)).transformer
+    draft = load_model(tiny_model_factory(name="draft", seed=1, hidden_size=32, intermediate_size=64)).transformer
+    first = profiling.cached_step_time(target, draft, max_batch=2, k_max=2)
+    assert len(list((tmp_path / "cache" / "profiles").glob("step-time-*.json"))) == 1
+
+    def must_not_profile(*args):
+        raise AssertionError("profiled again instead of reading the cache")
+
+    monkeypatch.setattr(profiling, "profile_step_time", must_not_profile)
+    assert profiling.cached_step_time(target, draft, max_batch=2, k_max=2) == first
+    other = load_model(tiny_model_factory(name="other", seed=2, hidden_size=32, intermediate_size=64)).transformer
+    monkeypatch.undo()
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
+    profiling.cached_step_time(target, other, max_batch=2, k_max=2)  # another draft: a new profile
+    assert len(list((tmp_path / "cache" / "profiles").glob("step-time-*.json"))) == 2
