@@ -1,0 +1,258 @@
+"""SPRINTER's learned verifier: what it computes, its files, and the `batchspec sprinter` command line.
+
+The verifier is logistic regression sigma(w . f + b) (or, with an MLP width, one hidden ReLU layer) on standardised
+features f of a draft token: the draft's last hidden state at the position that produced it (`hidden`, the paper's
+only input), optionally with log q(d) and the draft's entropy (`hidden+logq+entropy`). It predicts y = 1, "the target
+would accept d" (label `greedy`: d == argmax p; label `sd`: q(d) <= p(d)). A token is accepted iff its probability
+is >= the threshold tau. Training and metrics: `sprinter_train`; the data: `sprinter_data`.
+
+The engine's `sprinter` policy loads it with `load_verifier(path, draft)` (which refuses a verifier trained for
+another draft) and calls `verifier_probs(verifier, hidden, logq, entropy)` once per draft step, with the features
+computed as in `sprinter_data`: hidden = the draft's `ForwardOutput.hidden` row of the position that produced the
+token; logq and entropy from the draft's plain softmax (temperature 1, before any top-k/top-p).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from batchspec.errors import BatchspecError
+from batchspec.sprinter_data import weight_fingerprint
+
+FEATURE_SETS = ("hidden", "hidden+logq+entropy")
+LABELS = ("greedy", "sd")
+VERIFIER_FORMAT = "batchspec-sprinter-verifier/1"
+
+# --- the verifier ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Verifier:
+    feature_set: str
+    label: str
+    threshold: float
+    mean: torch.Tensor  # (F,) feature standardisation
+    std: torch.Tensor  # (F,)
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # [(weight (out, in), bias (out,))], ReLU between, last out = 1
+    draft: dict  # identity of the draft it was trained for: hidden_size, config, fingerprint, ...
+    meta: dict = field(default_factory=dict)  # metrics, training settings, the data it came from
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.draft["hidden_size"])
+
+
+def feature_matrix(feature_set: str, hidden: torch.Tensor, logq: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """(N, F) float32 features: hidden (N, H), plus logq and entropy (N,) for the richer set."""
+    hidden = hidden.float()
+    if feature_set == "hidden":
+        return hidden
+    if feature_set == "hidden+logq+entropy":
+        return torch.cat([hidden, logq.float()[:, None], entropy.float()[:, None]], dim=1)
+    raise BatchspecError(f"unknown feature set {feature_set!r}: use one of {', '.join(FEATURE_SETS)}")
+
+
+def mlp_logits(layers: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    """(N, F) standardised features -> (N,) logits."""
+    for i, (weight, bias) in enumerate(layers):
+        x = F.linear(x, weight, bias)
+        if i < len(layers) - 1:
+            x = F.relu(x)
+    return x[:, 0]
+
+
+def verifier_probs(verifier: Verifier, hidden: torch.Tensor, logq: torch.Tensor,
+                   entropy: torch.Tensor) -> torch.Tensor:
+    """P(the target accepts) for N draft tokens: hidden (N, H), logq (N,), entropy (N,) -> (N,) float32.
+
+    Pure; the caller accepts a token iff the result is >= `verifier.threshold`.
+    """
+    x = feature_matrix(verifier.feature_set, hidden, logq.to(hidden.device), entropy.to(hidden.device))  # (N, F)
+    dev = x.device  # the verifier's tensors are tiny: move them to the features, not the other way round
+    layers = [(w.to(dev), b.to(dev)) for w, b in verifier.layers]
+    with torch.no_grad():
+        return torch.sigmoid(mlp_logits(layers, (x - verifier.mean.to(dev)) / verifier.std.to(dev)))
+
+
+def check_verifier_draft(verifier: Verifier, draft) -> None:
+    """Refuse a verifier trained for another draft (hidden size, then weights)."""
+    if draft.config.hidden_size != verifier.hidden_size:
+        raise BatchspecError(f"the verifier was trained for a draft with hidden size {verifier.hidden_size}, but "
+                             f"this draft ({draft.model_dir}) has {draft.config.hidden_size}")
+    expected = verifier.draft.get("fingerprint")
+    actual = weight_fingerprint(draft.transformer)
+    if expected != actual:
+        raise BatchspecError(f"the verifier was trained for another draft ({verifier.draft.get('model_dir')}, weights "
+                             f"{str(expected)[:12]}), not {draft.model_dir} (weights {actual[:12]})")
+
+
+# --- files ---------------------------------------------------------------------------------------------------------
+
+
+def save_verifier(verifier: Verifier, out: Path) -> Path:
+    """OUT/verifier.safetensors (layers, feature mean/std) + OUT/verifier.json (everything else)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {"mean": verifier.mean, "std": verifier.std}
+    for i, (weight, bias) in enumerate(verifier.layers):
+        tensors[f"layers.{i}.weight"], tensors[f"layers.{i}.bias"] = weight, bias
+    save_file({k: v.float().contiguous() for k, v in tensors.items()}, out / "verifier.safetensors")
+    info = {"format": VERIFIER_FORMAT, "feature_set": verifier.feature_set, "label": verifier.label,
+            "threshold": verifier.threshold, "num_layers": len(verifier.layers), "draft": verifier.draft,
+            **verifier.meta}
+    (out / "verifier.json").write_text(json.dumps(info, indent=2) + "\n")
+    return out
+
+
+def load_verifier(path: str | Path, draft=None) -> Verifier:
+    """Read a saved verifier (its directory or either file); with `draft` (a LoadedModel), check it belongs to it."""
+    path = Path(path)
+    folder = path.parent if path.suffix in (".json", ".safetensors") else path
+    info_path, weights_path = folder / "verifier.json", folder / "verifier.safetensors"
+    for p in (info_path, weights_path):
+        if not p.is_file():
+            raise BatchspecError(f"no verifier at {folder}: {p.name} not found")
+    try:
+        info = json.loads(info_path.read_text())
+        tensors = load_file(weights_path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+        raise BatchspecError(f"corrupt {info_path}: {bad}") from None
+    except (SafetensorError, OSError, ValueError) as bad:
+        raise BatchspecError(f"cannot read {weights_path}: {bad}") from None
+    try:
+        if info["format"] != VERIFIER_FORMAT:
+            raise BatchspecError(f"{info_path} is not a SPRINTER verifier (format {info['format']!r})")
+        if info["feature_set"] not in FEATURE_SETS or info["label"] not in LABELS or info["num_layers"] < 1:
+            raise BatchspecError(f"{info_path}: unknown feature set, label or layer count")
+        layers = [(tensors[f"layers.{i}.weight"], tensors[f"layers.{i}.bias"]) for i in range(info["num_layers"])]
+        verifier = Verifier(info["feature_set"], info["label"], float(info["threshold"]), tensors["mean"],
+                            tensors["std"], layers, info["draft"],
+                            {k: v for k, v in info.items() if k in ("train", "target", "metrics")})
+        width = verifier.hidden_size + (2 if verifier.feature_set == "hidden+logq+entropy" else 0)
+    except KeyError as bad:
+        raise BatchspecError(f"incomplete verifier in {folder}: {bad} missing") from None
+    except TypeError as bad:
+        raise BatchspecError(f"malformed {info_path}: {bad}") from None
+    if verifier.mean.shape != (width,) or layers[0][0].shape[1] != width or layers[-1][0].shape[0] != 1:
+        raise BatchspecError(f"inconsistent verifier in {folder}: weights do not match {width} features")
+    if draft is not None:
+        check_verifier_draft(verifier, draft)
+    return verifier
+
+
+# --- command line --------------------------------------------------------------------------------------------------
+
+
+def add_sprinter_parser(subparsers) -> argparse.ArgumentParser:
+    from batchspec.sprinter_data import CollectConfig
+    from batchspec.sprinter_train import TrainConfig
+
+    parser = subparsers.add_parser("sprinter", help="SPRINTER's learned verifier: collect data, train, evaluate",
+                                   description="Collect verifier data from a draft/target pair, train the verifier, "
+                                               "evaluate a saved one.")
+    sub = parser.add_subparsers(dest="sprinter_command", required=True, metavar="STEP", parser_class=type(parser))
+    d = CollectConfig()
+    c = sub.add_parser("collect", help="features and labels of draft tokens on real prompts (never HumanEval)")
+    c.add_argument("--target", default=d.target, help="target model: 'default', a GGUF file or an HF directory")
+    c.add_argument("--draft", default=d.draft, help="draft model: 'default' (the shipped draft) or a path")
+    c.add_argument("--prompts", default=d.prompts, help="stdlib (default) | jsonl:PATH | sharegpt:PATH")
+    c.add_argument("--num-prompts", type=int, default=d.num_prompts, help=f"prompts ({d.num_prompts})")
+    c.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"target answer tokens ({d.max_tokens})")
+    c.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help=f"skip longer prompts ({d.max_prompt_tokens})")
+    c.add_argument("--shard-size", type=int, default=d.shard_size, help=f"prompts per shard ({d.shard_size})")
+    c.add_argument("--batch-size", type=int, default=d.batch_size, help=f"target decode batch ({d.batch_size})")
+    c.add_argument("--seed", type=int, default=d.seed, help=f"prompt choice and split ({d.seed})")
+    c.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help=f"share of prompts held out for validation ({d.val_fraction})")
+    c.add_argument("--out", required=True, help="data directory (meta.json + shards)")
+    c.add_argument("--resume", action="store_true", help="continue an interrupted collection in --out")
+    c.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    c.set_defaults(run=cmd_collect)
+
+    t = TrainConfig()
+    tr = sub.add_parser("train", help="train a verifier on collected data")
+    tr.add_argument("data", help="directory written by `sprinter collect`")
+    tr.add_argument("--out", required=True, help="verifier directory (verifier.safetensors + verifier.json)")
+    tr.add_argument("--label", default=t.label, choices=LABELS, help=f"target label ({t.label})")
+    tr.add_argument("--features", default=t.features, choices=FEATURE_SETS, help=f"feature set ({t.features})")
+    tr.add_argument("--mlp", type=int, default=t.mlp_hidden, help="hidden units of a tiny MLP (0: logistic)")
+    tr.add_argument("--threshold", type=float, default=t.threshold, help=f"accept iff prob >= tau ({t.threshold})")
+    tr.add_argument("--epochs", type=int, default=t.epochs, help=f"passes over the data ({t.epochs})")
+    tr.add_argument("--lr", type=float, default=t.lr, help=f"AdamW learning rate ({t.lr})")
+    tr.add_argument("--seed", type=int, default=t.seed, help=f"random seed ({t.seed})")
+    tr.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    tr.set_defaults(run=cmd_train)
+
+    ev = sub.add_parser("eval", help="metrics of a saved verifier on collected data")
+    ev.add_argument("data", help="directory written by `sprinter collect`")
+    ev.add_argument("--verifier", required=True, help="verifier directory")
+    ev.add_argument("--threshold", type=float, default=None, help="override the saved threshold")
+    ev.add_argument("--split", default="val", choices=("val", "train", "all"), help="rows to evaluate (val)")
+    ev.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    ev.set_defaults(run=cmd_eval)
+    return parser
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    from batchspec.cli import resolve_draft
+    from batchspec.sprinter_data import CollectConfig, run_collect
+
+    cfg = CollectConfig(target=args.target, draft=resolve_draft(args.draft), prompts=args.prompts,
+                        num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                        max_prompt_tokens=args.max_prompt_tokens, shard_size=args.shard_size,
+                        batch_size=args.batch_size, seed=args.seed, val_fraction=args.val_fraction)
+    out = Path(args.out).expanduser()
+    summary = run_collect(cfg, out, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty())
+    print(f"{summary['positions']} draft positions ({summary['train_positions']} train, {summary['val_positions']} "
+          f"validation) in {out}: greedy accept rate {summary['greedy_accept_rate']:.3f}, "
+          f"q <= p rate {summary['sd_accept_rate']:.3f}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from batchspec.sprinter_data import load_data
+    from batchspec.sprinter_train import TrainConfig, format_metrics, train_verifier
+
+    cfg = TrainConfig(label=args.label, features=args.features, mlp_hidden=args.mlp, threshold=args.threshold,
+                      epochs=args.epochs, lr=args.lr, seed=args.seed)
+    cfg.validate()
+    verifier = train_verifier(load_data(args.data), cfg)
+    out = save_verifier(verifier, Path(args.out).expanduser())
+    metrics = verifier.meta["metrics"].get("val")
+    if args.json:
+        print(json.dumps(verifier.meta["metrics"], indent=2))
+    else:
+        if metrics is None:
+            print("no validation positions yet (unfinished collection?): metrics on the training positions")
+        print(format_metrics(metrics or verifier.meta["metrics"]["train"], verifier.threshold))
+        print(f"verifier ({cfg.features}, label {cfg.label}) written to {out}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from batchspec.sprinter_data import load_data
+    from batchspec.sprinter_train import evaluate, format_metrics
+
+    verifier = load_verifier(args.verifier)
+    data = load_data(args.data)
+    if data.meta["draft"].get("fingerprint") != verifier.draft.get("fingerprint"):
+        raise BatchspecError(f"the data in {args.data} comes from another draft than the verifier's")
+    if args.threshold is not None:
+        if not 0.0 < args.threshold < 1.0:
+            raise BatchspecError(f"--threshold must be in (0, 1), got {args.threshold}")
+        verifier.threshold = args.threshold
+    rows = data.split(args.split)
+    if len(rows["logq"]) == 0:
+        raise BatchspecError(f"no {args.split} rows in {args.data}")
+    metrics = evaluate(verifier, rows, data.split("train") if args.split == "val" else None)
+    print(json.dumps(metrics, indent=2) if args.json else format_metrics(metrics, verifier.threshold))
+    return 0
