@@ -217,3 +217,24 @@ def test_verify_is_deterministic_given_seed() -> None:
 
     first, second = run(5), run(5)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_trusted_prefix_checks_only_the_last_token() -> None:
+    """SPRINTER: with trusted = window - 1 only each block's last draft meets the target's test."""
+    drafts = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
+    argmax = torch.tensor([[9, 9, 7, 0, 3],  # window 3: drafts 1-2 wrong but trusted, 3rd right -> 3 + bonus
+                           [5, 6, 9, 0, 3],  # window 3: last wrong -> 2 kept, correction argmax[2]
+                           [9, 6, 7, 8, 3],  # window 1: its only draft is tested (and wrong)
+                           [1, 2, 3, 4, 5]])  # window 0: plain decoding step
+    windows = torch.tensor([3, 3, 1, 0])
+    accepted, nxt = verify_greedy(drafts, argmax, windows, trusted=(windows - 1).clamp(min=0))
+    assert accepted.tolist() == [3, 2, 0, 0] and nxt.tolist() == [0, 9, 9, 1]
+    plain, _ = verify_greedy(drafts, argmax, windows)
+    assert plain.tolist() == [0, 2, 0, 0]
+    # The sampling path agrees with the greedy one on one-hot distributions.
+    vocab = 10
+    p = torch.nn.functional.one_hot(argmax, vocab).float()
+    q = torch.nn.functional.one_hot(drafts, vocab).float()
+    sampled, nxt_sampled = verify(drafts, q, p, windows, torch.full((4, 4), 0.5),
+                                  next_uniforms=torch.full((4,), 0.5), trusted=(windows - 1).clamp(min=0))
+    assert sampled.tolist() == [3, 2, 0, 0] and nxt_sampled.tolist() == [0, 9, 9, 1]

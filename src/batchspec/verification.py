@@ -5,6 +5,10 @@ accept d[i,j] with probability min(1, p/q), in order; at the first rejection sam
 normalise(max(0, p - q)) and stop; if all l[i] drafts pass, sample a bonus token from p at position l[i].
 The emitted tokens of request i are drafts[i, :num_accepted[i]] followed by next_token[i].
 
+SPRINTER (approximate, lossy) reuses both functions with `trusted` (B,): the first trusted[i] drafts of a window
+count as accepted without the target's test (its verifier vouched for them); only the later ones are tested —
+with trusted = window - 1, only each block's last token, as in the paper.
+
 Positions are 0-based here: target_probs[:, j] is the target's distribution for the token at draft position j,
 and target_probs[:, K'] the one after the last draft (the bonus slot).
 """
@@ -22,9 +26,14 @@ def _gather_token_probs(probs: Tensor, tokens: Tensor) -> Tensor:
     return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _accepted_prefix_length(accepted: Tensor, windows: Tensor) -> Tensor:
-    """Length of the leading run of accepted drafts inside each window. (B, K') bool, (B,) -> (B,) int64."""
+def _accepted_prefix_length(accepted: Tensor, windows: Tensor, trusted: Tensor | None = None) -> Tensor:
+    """Length of the leading run of accepted drafts inside each window. (B, K') bool, (B,) -> (B,) int64.
+
+    trusted (B,): drafts before this position pass regardless of `accepted` (SPRINTER's unchecked tokens).
+    """
     positions = torch.arange(accepted.shape[1], device=accepted.device)  # (K',)
+    if trusted is not None:
+        accepted = accepted | (positions[None, :] < trusted[:, None])
     ok = accepted & (positions[None, :] < windows[:, None])  # (B, K')
     # cumprod zeroes everything after the first failure, so the sum counts the accepted prefix only.
     return torch.cumprod(ok.to(torch.int64), dim=1).sum(dim=1)  # (B,)
@@ -71,6 +80,7 @@ def verify(
     uniforms: Tensor,
     generator: torch.Generator | None = None,
     next_uniforms: Tensor | None = None,
+    trusted: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Batched speculative sampling on ragged windows; returns (num_accepted (B,), next_token (B,)), both int64.
 
@@ -85,7 +95,7 @@ def verify(
 
     p_of_draft = _gather_token_probs(target_probs[:, :k_prime], draft_tokens)  # (B, K')
     q_of_draft = _gather_token_probs(draft_probs, draft_tokens)  # (B, K')
-    num_accepted = _accepted_prefix_length(accept_draft(uniforms, p_of_draft, q_of_draft), windows)  # (B,)
+    num_accepted = _accepted_prefix_length(accept_draft(uniforms, p_of_draft, q_of_draft), windows, trusted)  # (B,)
 
     # The next token is drawn at position num_accepted: a correction if that position was inside the window
     # (a rejection), otherwise the bonus slot windows[i].
@@ -104,13 +114,14 @@ def verify(
     return num_accepted, next_token
 
 
-def verify_greedy(draft_tokens: Tensor, target_argmax: Tensor, windows: Tensor) -> tuple[Tensor, Tensor]:
+def verify_greedy(draft_tokens: Tensor, target_argmax: Tensor, windows: Tensor,
+                  trusted: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Temperature 0: accept while d == argmax p; the next token is argmax p at the first mismatch or bonus slot.
 
     draft_tokens (B, K'), target_argmax (B, K'+1), windows (B,) -> (num_accepted (B,), next_token (B,)).
     """
     k_prime = draft_tokens.shape[1]
     matches = draft_tokens == target_argmax[:, :k_prime]  # (B, K')
-    num_accepted = _accepted_prefix_length(matches, windows)  # (B,)
+    num_accepted = _accepted_prefix_length(matches, windows, trusted)  # (B,)
     next_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # (B,)
     return num_accepted, next_token
