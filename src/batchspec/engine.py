@@ -1,17 +1,16 @@
 """The generation engine: requests in, texts out, over a batch that requests join and leave independently.
 
-`Engine.generate(prompts, SamplingParams)` is the library API the CLI and server are thin layers over. The step loop
-admits waiting requests into free KV-cache slots (prefill), then decodes every active request in one batched
-forward per step, retiring each request as soon as it finishes (EOS, stop string or max_tokens).
+`Engine.generate(prompts, SamplingParams)` is the library API the CLI is a thin layer over. It is a loop over
+`scheduler.Scheduler` (admission into free KV-cache slots, retiring finished requests), which the server drives
+directly; this module does the model work of each step: packed prefill, batched decode, and the speculative step
+(propose -> select -> verify -> commit).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +19,9 @@ from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
 from batchspec.loading import LoadedModel, check_draft_compatible, load_model
 from batchspec.metrics import RunStats, summarize
+from batchspec.request import GenerationOutput, Request, commit_tokens, output_of
 from batchspec.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
+from batchspec.scheduler import Scheduler
 from batchspec.selection import (AcceptanceEMA, StepTimeModel, draft_length, dsd_choose_k, expected_accepted,
                                  oracle_windows, select_windows)
 from batchspec.speculative import SpecConfig
@@ -35,50 +36,6 @@ def configure_threads(threads: int | None = None) -> int:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, threads))
     return torch.get_num_threads()
-
-
-@dataclass
-class Request:
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    arrival_s: float
-    output_ids: list[int] = field(default_factory=list)
-    slot: int | None = None
-    draft_pending: list[int] = field(default_factory=list)  # committed tokens the draft's cache lacks
-    finish_reason: str | None = None  # "stop" | "length"
-    text: str = ""
-    first_token_s: float | None = None
-    finish_s: float | None = None
-
-    def uniform(self, n: int = 1) -> torch.Tensor:
-        """Uniform draws from this request's own generator, so a seeded request is reproducible in any batch."""
-        return torch.rand(n, generator=self.generator)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def tokens_from(self, start: int) -> list[int]:
-        """Committed tokens (prompt + output) from position `start` on."""
-        if start >= len(self.prompt_ids):
-            return self.output_ids[start - len(self.prompt_ids):]
-        return self.prompt_ids[start:] + self.output_ids
-
-
-@dataclass
-class GenerationOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    num_prompt_tokens: int
-    ttft_s: float
-    latency_s: float
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
 
 
 class Engine:
@@ -110,6 +67,7 @@ class Engine:
         self.acceptance = AcceptanceEMA()  # dsd's running acceptance estimate
         self._step_time = step_time
         self.trace = trace
+        self.record_windows = True  # keep every step's windows in stats.window_history (off in a long-lived server)
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = None, **kwargs) -> Engine:
@@ -128,17 +86,23 @@ class Engine:
             text = prompt
         return tokenizer.encode(text)
 
-    def _make_requests(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
-                       chat: bool) -> list[Request]:
+    @property
+    def context_length(self) -> int:
+        """Longest prompt + output either model can take."""
+        context = self.target.config.max_position_embeddings
+        if self.draft is not None:
+            context = min(context, self.draft.config.max_position_embeddings)
+        return context
+
+    def _encode_all(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
+                    chat: bool) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt ids, params) per prompt, every prompt checked before any work starts."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise BatchspecError(f"got {len(params)} sampling parameter sets for {len(prompts)} prompts")
-        context = self.target.config.max_position_embeddings
-        if self.draft is not None:
-            context = min(context, self.draft.config.max_position_embeddings)
-        now = time.perf_counter()
-        requests = []
+        context = self.context_length
+        encoded = []
         for index, (prompt, p) in enumerate(zip(prompts, params)):
             if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
                 raise BatchspecError(f"prompt {index} is empty")
@@ -150,9 +114,8 @@ class Engine:
                     f"prompt {index} has {len(ids)} tokens; with max_tokens {p.max_tokens} it exceeds the "
                     f"context window of {context} tokens"
                 )
-            generator = torch.Generator().manual_seed(p.seed if p.seed is not None else self.seed * 1_000_003 + index)
-            requests.append(Request(index, ids, p, generator, arrival_s=now))
-        return requests
+            encoded.append((ids, p))
+        return encoded
 
     # --- the step loop -------------------------------------------------------------------------------------------
 
@@ -161,58 +124,52 @@ class Engine:
         """Generate for every prompt; outputs come back in prompt order. Counters end up in `self.stats`."""
         if not prompts:
             raise BatchspecError("no prompts given")
-        requests = self._make_requests(prompts, params or SamplingParams(), chat)
-        slots = min(self.max_batch_size, len(requests))
+        encoded = self._encode_all(prompts, params or SamplingParams(), chat)
         # Room for the longest request plus one step's speculative overshoot (rolled back afterwards).
-        longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests) + self._max_draft_length() + 2
-        target_cache = self.target.transformer.new_cache(slots, longest)
-        draft_cache = self.draft.transformer.new_cache(slots, longest) if self._speculative else None
-        if self.spec.policy == "dsd" and self._step_time is None:
-            self._step_time = self._profile_step_time()
+        longest = max(len(ids) + p.max_tokens for ids, p in encoded) + self.max_draft_length() + 2
+        scheduler = self.new_scheduler(min(self.max_batch_size, len(encoded)), longest)
         self.stats = RunStats()
+        requests = [scheduler.request(scheduler.add_request(ids, p)) for ids, p in encoded]  # ids 0..n-1
         bar = _progress_bar(len(requests), progress)
         start = time.perf_counter()
-        waiting, active = deque(requests), []
-        while waiting or active:
-            admitted = []
-            while waiting and target_cache.num_free:
-                request = waiting.popleft()
-                request.slot = target_cache.allocate()
-                admitted.append(request)
-            if admitted:
-                self._prefill(target_cache, draft_cache, admitted)
-                active += admitted
-            elif self._speculative:
-                self._speculative_step(target_cache, draft_cache, active)
-            else:
-                self._decode_step(target_cache, active)
-            still = []
-            for request in active:
-                if request.finish_reason is None:
-                    still.append(request)
-                else:
-                    target_cache.release(request.slot)
-                    bar.update(1)
-            active = still
+        while scheduler.has_work():
+            bar.update(sum(out.finish_reason is not None for out in scheduler.step()))
         self.stats.wall_s = time.perf_counter() - start - self.stats.measure_s
         bar.close()
         self.last_requests = requests
-        return [self._output(r) for r in requests]
+        return [self.output(r) for r in requests]
+
+    def new_scheduler(self, num_slots: int, max_len: int) -> Scheduler:
+        """A continuous-batching scheduler over fresh KV caches (profiles dsd's step time on first use)."""
+        if self.spec.policy == "dsd" and self._step_time is None:
+            self._step_time = self._profile_step_time()
+        return Scheduler(self, num_slots, max_len)
+
+    def run_step(self, target_cache: KVCache, draft_cache: KVCache | None, admitted: list[Request],
+                 active: list[Request]) -> None:
+        """One scheduler step: prefill the newly admitted requests, or else advance every active one."""
+        if admitted:
+            self._prefill(target_cache, draft_cache, admitted)
+        elif self.speculative:
+            self._speculative_step(target_cache, draft_cache, active)
+        else:
+            self._decode_step(target_cache, active)
 
     def metrics(self) -> dict:
         """DESIGN.md section 6 metrics of the last `generate` call.
 
         Per-request latencies are wall-clock and so still include `--measure-oracle`'s untimed passes.
         """
-        outputs = [self._output(r) for r in self.last_requests]
+        outputs = [self.output(r) for r in self.last_requests]
         return summarize(self.stats, [o.latency_s for o in outputs], [o.ttft_s for o in outputs])
 
     @property
-    def _speculative(self) -> bool:
+    def speculative(self) -> bool:
         return self.spec.policy != "ar"
 
-    def _max_draft_length(self) -> int:
-        if not self._speculative:
+    def max_draft_length(self) -> int:
+        """Most draft tokens one step may write past a request's committed length (cache head-room)."""
+        if not self.speculative:
             return 0
         return max(self.spec.k + self.spec.extra, self.spec.k_max if self.spec.policy == "dsd" else 0)
 
@@ -256,6 +213,8 @@ class Engine:
         logits = self._run_target(cache, slots, ones, tokens, torch.arange(len(active)))
         before = self.stats.emitted_tokens
         self._sample_and_commit(active, logits)
+        for request in active:
+            request.target_steps += 1
         self.stats.steps += 1
         self.stats.request_steps += len(active)
         self.stats.step_emitted += self.stats.emitted_tokens - before
@@ -329,18 +288,23 @@ class Engine:
         emitted_before = stats.emitted_tokens
         now = time.perf_counter()
         drafts, accepted_list = proposal.tokens.tolist(), accepted.tolist()
-        for request, row, n, token in zip(active, drafts, accepted_list, next_token.tolist()):
+        windows_list = windows.tolist()
+        for request, row, window, n, token in zip(active, drafts, windows_list, accepted_list, next_token.tolist()):
             self._commit(request, row[:n] + [token], now)
+            request.target_steps += 1
+            request.drafted_tokens += k_prime
+            request.verified_tokens += window
+            request.accepted_tokens += n
         self._resync_draft(draft_cache, active)
 
-        windows_list = windows.tolist()
         stats.steps += 1
         stats.request_steps += batch
         stats.verified += sum(windows_list)
         stats.accepted += sum(accepted_list)
         stats.step_emitted += stats.emitted_tokens - emitted_before
         stats.record_positions(windows_list, accepted_list)
-        stats.window_history.append(windows_list)
+        if self.record_windows:
+            stats.window_history.append(windows_list)
         if accept_probs is not None:
             stats.policy_expected += expected_accepted(accept_probs, windows)
             stats.oracle_expected += expected_accepted(accept_probs, oracle_windows(accept_probs, capacity))
@@ -380,50 +344,20 @@ class Engine:
 
     def _profile_step_time(self) -> StepTimeModel:
         """Fit dsd's step-time model T(B, k) from timed target and draft forwards on scratch caches."""
-        from batchspec.profiling import profile_step_time
+        from batchspec.profiling import cached_step_time
 
-        return profile_step_time(self.target.transformer, self.draft.transformer, self.max_batch_size,
+        return cached_step_time(self.target.transformer, self.draft.transformer, self.max_batch_size,
                                  self.spec.k_max)
 
     # --- finishing ------------------------------------------------------------------------------------------------
 
     def _commit(self, request: Request, tokens: list[int], now: float) -> None:
         """Append emitted tokens to a request and decide whether it is finished."""
-        if request.first_token_s is None:
-            request.first_token_s = now
-        eos = () if request.params.ignore_eos else self.target.eos_token_ids
-        for token in tokens:
-            request.output_ids.append(token)
-            self.stats.emitted_tokens += 1
-            if token in eos:
-                request.finish_reason = "stop"
-            elif request.params.stop and self._hit_stop_string(request):
-                request.finish_reason = "stop"
-            elif len(request.output_ids) >= request.params.max_tokens:
-                request.finish_reason = "length"
-            if request.finish_reason is not None:
-                request.finish_s = now
-                return
+        self.stats.emitted_tokens += commit_tokens(request, tokens, now, self.target.eos_token_ids,
+                                                   self.target.tokenizer)
 
-    def _hit_stop_string(self, request: Request) -> bool:
-        text = self.target.tokenizer.decode(request.output_ids)
-        cut = min((text.find(s) for s in request.params.stop if s in text), default=-1)
-        if cut < 0:
-            return False
-        request.text = text[:cut]  # like vLLM, the stop string itself is not returned
-        return True
-
-    def _output(self, request: Request) -> GenerationOutput:
-        ids = request.output_ids
-        if request.finish_reason == "stop" and ids and ids[-1] in self.target.eos_token_ids:
-            ids = ids[:-1]
-        text = request.text if request.text else self.target.tokenizer.decode(ids)
-        return GenerationOutput(
-            index=request.index, text=text, token_ids=ids, finish_reason=request.finish_reason or "length",
-            num_prompt_tokens=len(request.prompt_ids),
-            ttft_s=(request.first_token_s or request.arrival_s) - request.arrival_s,
-            latency_s=(request.finish_s or request.arrival_s) - request.arrival_s,
-        )
+    def output(self, request: Request) -> GenerationOutput:
+        return output_of(request, self.target.eos_token_ids, self.target.tokenizer)
 
 
 def _progress_bar(total: int, enabled: bool):
