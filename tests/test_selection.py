@@ -196,9 +196,9 @@ def test_validate_spec_errors() -> None:
 
 
 def test_policy_names() -> None:
-    assert POLICIES == ("ar", "sd", "dsd", "tetris", "oracle")
+    assert POLICIES == ("ar", "sd", "dsd", "tetris", "oracle", "sprinter")
     assert check_policy("tetris") == "tetris"
-    with pytest.raises(BatchspecError, match="ar, sd, dsd, tetris, oracle"):
+    with pytest.raises(BatchspecError, match="ar, sd, dsd, tetris, oracle, sprinter"):
         check_policy("tetirs")
 
 

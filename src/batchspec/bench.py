@@ -22,7 +22,7 @@ from batchspec.errors import BatchspecError
 from batchspec.loading import LoadedModel
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts, load_prompts_file, sharegpt_prompts
 from batchspec.sampling import SamplingParams
-from batchspec.selection import POLICIES
+from batchspec.selection import LOSSLESS_POLICIES, POLICIES
 from batchspec.speculative import SpecConfig
 
 
@@ -150,7 +150,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     prompts, limits, skipped = prepare_prompts(config, target, draft)
     params = [SamplingParams(max_tokens=m, temperature=config.temperature, top_p=config.top_p, seed=config.seed)
               for m in limits]
-    runs, outputs = [], {}
+    runs, outputs, texts = [], {}, {}
     recorder, traced_requests = _trace_recorder(config), None
     for index, point in enumerate(sweep_points(config)):
         engines = {policy: Engine(target, None if policy == "ar" else draft, replace(point.spec, policy=policy),
@@ -166,6 +166,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                 if traced:
                     traced_requests, engine.trace = engine.last_requests, None
                 outputs[(index, trial, policy)] = [o.token_ids for o in result]
+                texts[(index, trial, policy)] = [o.text for o in result]
                 metrics = engine.metrics()
                 metrics.update(policy=policy, trial=trial, point=index, batch_size=point.batch_size, k=point.spec.k,
                                extra=point.spec.extra, capacity=point.spec.capacity,
@@ -175,6 +176,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
         reference = outputs.get((run["point"], run["trial"], "ar"))
         mine = outputs[(run["point"], run["trial"], run["policy"])]
         run["match_ar"] = (sum(a == b for a, b in zip(mine, reference)) / len(mine)) if reference else None
+    if any(p not in LOSSLESS_POLICIES for p in config.policies):
+        _add_quality(runs, outputs, texts, target, [Engine(target).encode_prompt(p, config.chat) for p in prompts])
     results = {"config": {**_config_dict(config, target, draft, len(prompts)), "skipped_prompts": skipped},
                "runs": runs, "baselines": []}
     if config.baselines:
@@ -188,6 +191,20 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     if recorder is not None:
         _save_trace(recorder, traced_requests, results)
     return results
+
+
+def _add_quality(runs: list[dict], outputs: dict, texts: dict, target: LoadedModel,
+                 prompt_ids: list[list[int]]) -> None:
+    """Lossy policies (and ar, the reference): ROUGE-L against ar's text and the target's NLL per token."""
+    from batchspec.quality import rouge_l, target_nll
+
+    for run in runs:
+        key = (run["point"], run["trial"], run["policy"])
+        if run["policy"] in LOSSLESS_POLICIES and run["policy"] != "ar":
+            continue  # identical to ar at temperature 0; their quality is ar's
+        reference = texts.get((run["point"], run["trial"], "ar"))
+        run["rouge_l_ar"] = rouge_l(texts[key], reference) if reference else None
+        run["target_nll"] = target_nll(target.transformer, prompt_ids, outputs[key])
 
 
 def _trace_recorder(config: BenchConfig):

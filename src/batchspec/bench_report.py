@@ -9,6 +9,7 @@ from pathlib import Path
 
 TABLE_FIELDS = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "system_efficiency", "target_calls",
                 "oracle_fraction", "match_ar", "select_us_per_step")
+QUALITY_FIELDS = ("rouge_l_ar", "target_nll")  # lossy runs only (sprinter), and ar for reference
 POINT_FIELDS = ("batch_size", "k", "extra", "capacity")
 
 
@@ -25,7 +26,7 @@ def summary_rows(results: dict) -> list[dict]:
     rows = []
     for (point, policy), runs in groups.items():
         row = {"policy": policy, "point": point}
-        for name in TABLE_FIELDS:
+        for name in TABLE_FIELDS + QUALITY_FIELDS:
             values = [r[name] for r in runs if r.get(name) is not None]
             row[name] = statistics.median(values) if values else None
         rows.append(row)
@@ -47,6 +48,8 @@ def format_table(results: dict) -> str:
         group = [r for r in ours if r["point"] == point]
         lines += ([f"[{point}]"] if point else []) + [header]
         lines += [f"{r['policy']:>15} " + " ".join(_cell(r[name]) for name in TABLE_FIELDS) for r in group]
+        lines += [f"quality {r['policy']}: ROUGE-L vs ar {_cell(r['rouge_l_ar']).strip()}, target NLL/token "
+                  f"{_cell(r['target_nll']).strip()}" for r in group if r.get("target_nll") is not None]
         speed = {r["policy"]: r["tokens_per_s"] for r in group if r["tokens_per_s"]}
         if "tetris" in speed:
             ratios = [f"tetris/{p} = {speed['tetris'] / speed[p]:.3f}" for p in ("sd", "dsd", "ar") if p in speed]

@@ -33,7 +33,8 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
 
     if policies:
         parser.add_argument("--policy", default="ar", choices=POLICIES,
-                            help="ar (target only), sd, dsd, tetris or oracle (default ar)")
+                            help="ar (target only), sd, dsd, tetris, oracle (all lossless) or sprinter "
+                                 "(learned verifier, approximate) (default ar)")
     parser.add_argument("-k", "--k", type=int, default=4, help="draft window of sd / base window (default 4)")
     parser.add_argument("--extra", type=int, default=2, help="extra draft tokens Tetris may choose from (default 2)")
     parser.add_argument("--capacity", type=int, default=None,
@@ -43,6 +44,15 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
     parser.add_argument("--k-max", type=int, default=8, help="largest window dsd may choose (default 8)")
     parser.add_argument("--measure-oracle", action="store_true",
                         help="extra untimed target pass over all drafts to report oracle_fraction")
+    parser.add_argument("--verifier", default=None,
+                        help="SPRINTER verifier directory ('default': the one shipped for the default draft); "
+                             "needed by --policy sprinter and --tetris-scores verifier")
+    parser.add_argument("--tau", type=float, default=None,
+                        help="sprinter: keep a draft unchecked iff verifier prob >= tau (default: the verifier's)")
+    parser.add_argument("--block-cap", type=int, default=20, help="sprinter: most drafts per block, L (default 20)")
+    parser.add_argument("--tetris-scores", default="q", choices=("q", "verifier"),
+                        help="tetris ranks drafts by cumulative draft probability q (default) or by the verifier's "
+                             "learned acceptance probability (lossless either way)")
 
 
 def spec_config(args: argparse.Namespace):
@@ -50,7 +60,16 @@ def spec_config(args: argparse.Namespace):
 
     return SpecConfig(policy=getattr(args, "policy", "ar"), k=args.k, extra=args.extra, capacity=args.capacity,
                       turn_on_batch_size=args.turn_on_batch_size, k_max=args.k_max,
-                      measure_oracle=args.measure_oracle)
+                      measure_oracle=args.measure_oracle, verifier=resolve_verifier(args.verifier),
+                      tau=args.tau, block_cap=args.block_cap, tetris_scores=args.tetris_scores)
+
+
+def resolve_verifier(spec: str | None) -> str | None:
+    if spec == "default":
+        from batchspec.default_models import default_verifier_dir
+
+        return str(default_verifier_dir())
+    return spec
 
 
 def resolve_draft(spec: str | None) -> str | None:

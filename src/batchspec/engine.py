@@ -39,7 +39,8 @@ def configure_threads(threads: int | None = None) -> int:
 
 
 class Engine:
-    """Batched generation with the target alone (`ar`) or speculatively with a draft (sd, dsd, tetris, oracle)."""
+    """Batched generation with the target alone (`ar`), speculatively with a draft (sd, dsd, tetris, oracle; all
+    lossless), or with SPRINTER's learned verifier (`sprinter`, approximate)."""
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
                  max_batch_size: int = 16, prefill_tokens: int = 2048, seed: int = 0,
@@ -68,6 +69,11 @@ class Engine:
         self._step_time = step_time
         self.trace = trace
         self.record_windows = True  # keep every step's windows in stats.window_history (off in a long-lived server)
+        self.verifier = None  # SPRINTER's learned verifier (sprinter policy, or Tetris scored by it)
+        if self.spec.verifier is not None and self.speculative:
+            from batchspec.sprinter import load_verifier
+
+            self.verifier = load_verifier(self.spec.verifier, draft)  # refuses one trained for another draft
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = None, **kwargs) -> Engine:
@@ -171,6 +177,8 @@ class Engine:
         """Most draft tokens one step may write past a request's committed length (cache head-room)."""
         if not self.speculative:
             return 0
+        if self.spec.policy == "sprinter":
+            return self.spec.block_cap
         return max(self.spec.k + self.spec.extra, self.spec.k_max if self.spec.policy == "dsd" else 0)
 
     def _run_target(self, cache: KVCache, slots: torch.Tensor, num_new: torch.Tensor, tokens: torch.Tensor,
@@ -253,34 +261,46 @@ class Engine:
         # Each request's randomness for this step from its own generator: K' draft draws, K' accept tests, 1 next.
         draws = None if greedy_all else torch.stack([r.uniform(2 * k_prime + 1) for r in active])  # (B, 2K'+1)
 
+        sprinter = spec.policy == "sprinter"
+        tau = (spec.tau if spec.tau is not None else self.verifier.threshold) if sprinter else None
         started = time.perf_counter()
         proposal = speculative.propose(self.draft.transformer, draft_cache, slots, [r.draft_pending for r in active],
-                                       k_prime, sampling, None if greedy_all else draws[:, :k_prime])
+                                       k_prime, sampling, None if greedy_all else draws[:, :k_prime],
+                                       verifier=self.verifier, stop_below=tau)
         stats.draft_s += time.perf_counter() - started
-        stats.draft_tokens += batch * k_prime
+        drafted = proposal.blocks.tolist() if sprinter else [k_prime] * batch
+        stats.draft_tokens += sum(drafted)
 
         last = torch.tensor([r.output_ids[-1] for r in active])
         accept_probs = None
-        if spec.policy == "oracle" or spec.measure_oracle:
+        if not sprinter and (spec.policy == "oracle" or spec.measure_oracle):
             accept_probs = self._measure_acceptance(target_cache, slots, last, proposal, sampling, greedy_all)
             if self.trace is not None:
                 self.trace.record(active, proposal.logprobs, accept_probs, stats)
 
         started = time.perf_counter()
         capacity = min(spec.capacity_for(batch), batch * k_prime)
-        windows = select_windows(spec.policy, draft_logprobs=proposal.logprobs, k=k, capacity=capacity,
-                                 turn_on_batch_size=spec.turn_on_batch_size, accept_probs=accept_probs)
+        if sprinter:  # the verifier already chose: each block ends at its first rejected draft (or at L)
+            windows = proposal.blocks
+        else:
+            # Tetris may rank by the verifier's learned P(accept) instead of q: still draft-side only, lossless.
+            scores = (proposal.verifier_probs.clamp_min(1e-12).log() if spec.tetris_scores == "verifier"
+                      else proposal.logprobs)
+            windows = select_windows(spec.policy, draft_logprobs=scores, k=k, capacity=capacity,
+                                     turn_on_batch_size=spec.turn_on_batch_size, accept_probs=accept_probs)
         stats.select_s += time.perf_counter() - started
 
         before = target_cache.lengths[slots].clone()  # (B,) committed tokens minus the pending one
         started = time.perf_counter()
         scored = speculative.score(self.target.transformer, target_cache, slots, last, proposal, windows,
                                    None if greedy_all else sampling)
+        # SPRINTER keeps the drafts its verifier vouched for; the target tests only each block's last one.
+        trusted = (windows - 1).clamp(min=0) if sprinter else None
         if greedy_all:
-            accepted, next_token = verify_greedy(proposal.tokens, scored.argmax, windows)
+            accepted, next_token = verify_greedy(proposal.tokens, scored.argmax, windows, trusted)
         else:
             accepted, next_token = verify(proposal.tokens, proposal.probs, scored.probs, windows,
-                                          draws[:, k_prime:2 * k_prime], next_uniforms=draws[:, -1])
+                                          draws[:, k_prime:2 * k_prime], next_uniforms=draws[:, -1], trusted=trusted)
         self._count_target(time.perf_counter() - started, int(windows.sum()) + batch)
 
         # Commit: roll the target back to the accepted prefix, the draft to what it has of it.
@@ -289,10 +309,11 @@ class Engine:
         now = time.perf_counter()
         drafts, accepted_list = proposal.tokens.tolist(), accepted.tolist()
         windows_list = windows.tolist()
-        for request, row, window, n, token in zip(active, drafts, windows_list, accepted_list, next_token.tolist()):
+        for request, row, window, n, token, count in zip(active, drafts, windows_list, accepted_list,
+                                                         next_token.tolist(), drafted):
             self._commit(request, row[:n] + [token], now)
             request.target_steps += 1
-            request.drafted_tokens += k_prime
+            request.drafted_tokens += count
             request.verified_tokens += window
             request.accepted_tokens += n
         self._resync_draft(draft_cache, active)
@@ -314,6 +335,8 @@ class Engine:
     def _window_sizes(self, batch: int) -> tuple[int, int]:
         """(k, K') for this step: the sd window and how many tokens the draft proposes."""
         spec = self.spec
+        if spec.policy == "sprinter":
+            return spec.block_cap, spec.block_cap
         k = dsd_choose_k(self.acceptance.value, batch, spec.k_max, self._step_time) if spec.policy == "dsd" else spec.k
         return k, draft_length(spec.policy, k, spec.extra, batch, spec.turn_on_batch_size)
 

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from batchspec.errors import BatchspecError
 
-POLICIES: tuple[str, ...] = ("ar", "sd", "dsd", "tetris", "oracle")
+POLICIES: tuple[str, ...] = ("ar", "sd", "dsd", "tetris", "oracle", "sprinter")
+LOSSLESS_POLICIES: tuple[str, ...] = ("ar", "sd", "dsd", "tetris", "oracle")  # sprinter trades fidelity for speed
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ def draft_length(policy: str, k: int, extra: int, batch_size: int, turn_on_batch
         return 0
     if policy == "oracle" or (policy == "tetris" and batch_size >= turn_on_batch_size):
         return k + extra
-    return k  # sd, dsd (k already chosen by dsd_choose_k), and tetris below its turn-on batch size
+    return k  # sd, dsd (k already chosen by dsd_choose_k), tetris below its turn-on batch size; sprinter: k = L
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,6 +155,8 @@ def select_windows(
         return sd_windows(batch_size, k, k_prime, device=device)
     if policy == "tetris":
         return tetris_windows(draft_logprobs, capacity)
+    if policy == "sprinter":
+        raise BatchspecError("sprinter's windows are its verifier's blocks (speculative.propose), not a selection")
     if accept_probs is None:
         raise BatchspecError("the oracle policy needs the true acceptance probabilities (accept_probs)")
     return oracle_windows(accept_probs, capacity)

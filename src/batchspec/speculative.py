@@ -7,6 +7,7 @@ when the target accepted every draft of the last step (the draft never ran on it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,23 @@ class SpecConfig:
     turn_on_batch_size: int = 1  # Tetris acts as sd below this many active requests
     k_max: int = 8  # dsd's largest window
     measure_oracle: bool = False  # untimed extra target pass over all K' drafts: true a, oracle_fraction
+    verifier: str | None = None  # SPRINTER verifier directory: needed by `sprinter` and by tetris_scores="verifier"
+    tau: float | None = None  # sprinter: accept a draft without the target iff verifier prob >= tau (None: its own)
+    block_cap: int = 20  # sprinter: L, the most tokens a request drafts before the target is called
+    tetris_scores: str = "q"  # tetris ranks by cumulative draft probability ("q") or verifier probability
 
     def validate(self, batch_size: int) -> None:
         if check_policy(self.policy) == "ar":
+            return
+        if self.tetris_scores not in ("q", "verifier"):
+            raise BatchspecError(f"tetris scores must be 'q' or 'verifier', got {self.tetris_scores!r}")
+        if self.verifier is None and (self.policy == "sprinter" or self.tetris_scores == "verifier"):
+            raise BatchspecError(f"policy {self.policy!r} with these settings needs a SPRINTER verifier (--verifier)")
+        if self.policy == "sprinter":
+            if self.block_cap < 1:
+                raise BatchspecError(f"--block-cap must be >= 1, got {self.block_cap}")
+            if self.tau is not None and not 0.0 <= self.tau <= 1.0:
+                raise BatchspecError(f"--tau must be in [0, 1], got {self.tau}")
             return
         validate_spec(self.k, self.extra, self.capacity_for(batch_size), batch_size)
         if self.policy == "dsd" and self.k_max < 1:
@@ -47,6 +62,8 @@ class Proposal:
     tokens: Tensor  # (B, K') int64 draft tokens
     probs: Tensor | None  # (B, K', V) processed q each draft was drawn from; None when every request is greedy
     logprobs: Tensor  # (B, K') selection scores: log q(d), from the unprocessed softmax for greedy requests
+    verifier_probs: Tensor | None = None  # (B, K') SPRINTER verifier's P(accept) of each draft, when asked for
+    blocks: Tensor | None = None  # (B,) sprinter: drafts up to and including the first the verifier rejected
 
 
 @dataclass
@@ -65,35 +82,55 @@ def ragged_inputs(pending: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[list[int]], k_prime: int,
-            sampling: tuple[Tensor, Tensor, Tensor], uniforms: Tensor | None) -> Proposal:
+            sampling: tuple[Tensor, Tensor, Tensor], uniforms: Tensor | None, verifier=None,
+            stop_below: float | None = None) -> Proposal:
     """Run the draft K' sequential steps for the whole batch; step 1 also feeds each request's pending tokens.
 
     sampling: (temperature, top_k, top_p), each (B,); uniforms (B, K') for the draws, None when all greedy.
+    verifier (a `sprinter.Verifier`): also score every draft with it; with `stop_below`, a request stops drafting
+    after its first draft scored below that (SPRINTER blocks) — later steps run only the requests still drafting.
     """
+    from batchspec.sprinter import verifier_probs
+
     greedy_all = uniforms is None
-    temperature = sampling[0]
+    batch = len(pending)
+    tokens_out = torch.zeros(batch, k_prime, dtype=torch.int64)
+    logprobs = torch.full((batch, k_prime), -math.inf)
+    probs = torch.zeros(batch, k_prime, draft.config.vocab_size) if not greedy_all and k_prime else None
+    scores = torch.zeros(batch, k_prime) if verifier is not None else None
+    blocks = torch.full((batch,), k_prime, dtype=torch.int64)
+    rows = torch.arange(batch)  # requests still drafting
     num_new, tokens, last_rows = ragged_inputs(pending)
-    drafted, logprobs, probs = [], [], []
     for step in range(k_prime):
-        logits = draft.forward(cache, slots, num_new, tokens, logit_rows=last_rows).logits  # (B, V)
+        out = draft.forward(cache, slots[rows], num_new, tokens, logit_rows=last_rows)
+        logits = out.logits  # (R, V)
         log_softmax = logits.log_softmax(dim=-1)
         if greedy_all:
-            token = logits.argmax(dim=-1)  # (B,)
+            token = logits.argmax(dim=-1)  # (R,)
             score = log_softmax.gather(-1, token[:, None])[:, 0]
         else:
-            q = token_probs(logits, *sampling)  # (B, V); one-hot for greedy rows
-            token = sample_with_uniforms(q, uniforms[:, step])
-            score = torch.where(temperature > 0, q.gather(-1, token[:, None])[:, 0].clamp_min(1e-30).log(),
+            q = token_probs(logits, sampling[0][rows], sampling[1][rows], sampling[2][rows])  # (R, V)
+            token = sample_with_uniforms(q, uniforms[rows, step])
+            score = torch.where(sampling[0][rows] > 0, q.gather(-1, token[:, None])[:, 0].clamp_min(1e-30).log(),
                                 log_softmax.gather(-1, token[:, None])[:, 0])
-            probs.append(q)
-        drafted.append(token)
-        logprobs.append(score)
-        # The next step feeds the token just drafted: one new token per request.
-        num_new, tokens, last_rows = torch.ones_like(num_new), token, torch.arange(len(pending))
-    if k_prime == 0:
-        return Proposal(torch.zeros(len(pending), 0, dtype=torch.int64), None, torch.zeros(len(pending), 0))
-    return Proposal(torch.stack(drafted, 1), None if greedy_all else torch.stack(probs, 1),
-                    torch.stack(logprobs, 1))
+            probs[rows, step] = q
+        tokens_out[rows, step] = token
+        logprobs[rows, step] = score
+        keep = torch.ones(len(rows), dtype=torch.bool)
+        if verifier is not None:
+            # SPRINTER features: the hidden state that produced the token, its log q and the draft's entropy.
+            entropy = -(log_softmax.exp() * log_softmax).sum(-1)  # (R,)
+            logq = log_softmax.gather(-1, token[:, None])[:, 0]  # (R,)
+            scores[rows, step] = verifier_probs(verifier, out.hidden[last_rows], logq, entropy)
+            if stop_below is not None:
+                keep = scores[rows, step] >= stop_below
+                blocks[rows[~keep]] = step + 1
+        rows, token = rows[keep], token[keep]
+        if not len(rows):
+            break
+        # The next step feeds the token just drafted: one new token per request still drafting.
+        num_new, tokens, last_rows = torch.ones(len(rows), dtype=torch.int64), token, torch.arange(len(rows))
+    return Proposal(tokens_out, probs, logprobs, scores, blocks if stop_below is not None else None)
 
 
 def score(target: Transformer, cache: KVCache, slots: Tensor, last: Tensor, proposal: Proposal, windows: Tensor,

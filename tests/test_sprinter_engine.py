@@ -1,0 +1,95 @@
+"""The `sprinter` policy in the engine, and Tetris scored by the verifier, on tiny models with a constant verifier.
+
+A verifier that never vouches for a draft (every probability below tau) makes each block one token that the target
+tests: that is SD with k = 1, so the output equals the target's greedy output exactly. One that vouches for every
+draft keeps whole blocks of L unchecked: far fewer target calls, and outputs that may differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchspec.engine import Engine
+from batchspec.errors import BatchspecError
+from batchspec.loading import LoadedModel, load_model
+from batchspec.model import Transformer
+from batchspec.sampling import SamplingParams
+from batchspec.speculative import SpecConfig
+from batchspec.sprinter import Verifier, save_verifier
+from batchspec.sprinter_data import weight_fingerprint
+
+PROMPTS = ["def add(a, b):", "The capital of France is", "for i in range(", "import numpy as"]
+
+
+def _noisy_copy(model: LoadedModel, scale: float) -> LoadedModel:
+    base = model.transformer
+    noise = scale * torch.randn(base.lm_head.shape, generator=torch.Generator().manual_seed(0))
+    return LoadedModel("noisy", model.model_dir, Transformer(base.config, base.embed, base.layers, base.final_norm,
+                                                             base.lm_head + noise), model.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, default_model_dir):
+    from conftest import make_tiny_model
+
+    target = load_model(make_tiny_model(tmp_path_factory.mktemp("sprinter") / "target", default_model_dir))
+    draft = _noisy_copy(target, 0.02)
+    hidden = draft.config.hidden_size
+    verifier = Verifier("hidden", "greedy", 0.5, torch.zeros(hidden), torch.ones(hidden),
+                        [(torch.zeros(1, hidden), torch.zeros(1))],  # P(accept) = sigmoid(0) = 0.5 everywhere
+                        {"hidden_size": hidden, "fingerprint": weight_fingerprint(draft.transformer)})
+    path = save_verifier(verifier, tmp_path_factory.mktemp("verifier") / "v")
+    return target, draft, str(path)
+
+
+def _run(target, draft, spec, batch=4):
+    engine = Engine(target, draft, spec, max_batch_size=batch)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    return [o.token_ids for o in outputs], engine.metrics()
+
+
+def test_never_trusting_verifier_is_lossless(pair):
+    target, draft, verifier = pair
+    reference, _ = _run(target, None, SpecConfig(policy="ar"))
+    tokens, metrics = _run(target, draft, SpecConfig(policy="sprinter", verifier=verifier, tau=0.6, block_cap=5))
+    assert tokens == reference
+    assert metrics["mean_accept_len"] <= 2.0  # one tested draft per step (+ the bonus or correction)
+
+
+def test_trusting_verifier_cuts_target_calls(pair):
+    target, draft, verifier = pair
+    _, sd = _run(target, draft, SpecConfig(policy="sd", k=4))
+    tokens, trusting = _run(target, draft, SpecConfig(policy="sprinter", verifier=verifier, tau=0.4, block_cap=5))
+    assert all(len(t) == 12 for t in tokens)
+    assert trusting["target_calls"] < sd["target_calls"]
+    assert trusting["mean_accept_len"] >= 5  # every block of L = 5 is kept: 4 unchecked + the tested last + bonus
+
+
+def test_tetris_scored_by_verifier_stays_lossless(pair):
+    target, draft, verifier = pair
+    reference, _ = _run(target, None, SpecConfig(policy="ar"))
+    tokens, _ = _run(target, draft, SpecConfig(policy="tetris", k=2, extra=2, verifier=verifier,
+                                               tetris_scores="verifier"))
+    assert tokens == reference
+
+
+def test_verifier_for_another_draft_is_refused(pair):
+    target, _, verifier = pair
+    other = _noisy_copy(target, 0.05)
+    with pytest.raises(BatchspecError, match="another draft"):
+        Engine(target, other, SpecConfig(policy="sprinter", verifier=verifier))
+    with pytest.raises(BatchspecError, match="verifier"):
+        Engine(target, other, SpecConfig(policy="sprinter"))
+
+
+def test_bench_reports_quality_of_lossy_runs(pair):
+    from batchspec.bench import BenchConfig, format_table, run_bench
+
+    target, draft, verifier = pair
+    config = BenchConfig(dataset="humaneval", num_prompts=3, batch_size=3, policies=("ar", "sd", "sprinter"),
+                         spec=SpecConfig(k=2, extra=0, verifier=verifier, tau=0.4, block_cap=4), max_tokens=6)
+    runs = {r["policy"]: r for r in run_bench(config, target, draft)["runs"]}
+    assert runs["ar"]["rouge_l_ar"] == 1.0 and runs["sd"].get("target_nll") is None
+    assert 0.0 <= runs["sprinter"]["rouge_l_ar"] <= 1.0 and runs["sprinter"]["target_nll"] > 0.0
+    assert "quality sprinter" in format_table({"config": {}, "runs": list(runs.values())})
