@@ -83,13 +83,21 @@ def test_verifier_for_another_draft_is_refused(pair):
         Engine(target, other, SpecConfig(policy="sprinter"))
 
 
-def test_bench_reports_quality_of_lossy_runs(pair):
+def test_bench_reports_quality_of_lossy_runs(pair, tmp_path):
     from batchspec.bench import BenchConfig, format_table, run_bench
 
     target, draft, verifier = pair
     config = BenchConfig(dataset="humaneval", num_prompts=3, batch_size=3, policies=("ar", "sd", "sprinter"),
-                         spec=SpecConfig(k=2, extra=0, verifier=verifier, tau=0.4, block_cap=4), max_tokens=6)
-    runs = {r["policy"]: r for r in run_bench(config, target, draft)["runs"]}
+                         spec=SpecConfig(k=2, extra=0, verifier=verifier, tau=0.4, block_cap=4), max_tokens=6,
+                         sweep={"tau": (0.4, 0.6)})
+    results = run_bench(config, target, draft)
+    assert [(r["policy"], r["tau"]) for r in results["runs"]] == [("ar", 0.4), ("sd", 0.4), ("sprinter", 0.4),
+                                                                  ("sprinter", 0.6)]
+    assert results["runs"][-1]["match_ar"] == 1.0  # tau above every verifier probability: lossless
+    from batchspec.plots import write_plots
+
+    assert any(p.name == "sprinter_speed_quality.png" for p in write_plots(results, tmp_path))
+    runs = {r["policy"]: r for r in results["runs"][:3]}
     assert runs["ar"]["rouge_l_ar"] == 1.0 and runs["sd"].get("target_nll") is None
     assert 0.0 <= runs["sprinter"]["rouge_l_ar"] <= 1.0 and runs["sprinter"]["target_nll"] > 0.0
     assert "quality sprinter" in format_table({"config": {}, "runs": list(runs.values())})

@@ -55,6 +55,8 @@ class BenchConfig:
         for axis, values in self.sweep.items():
             if axis not in POINT_FIELDS:
                 raise BatchspecError(f"cannot sweep {axis!r}; sweepable: {', '.join(POINT_FIELDS)}")
+            if axis == "tau" and not all(0.0 <= v <= 1.0 for v in values):
+                raise BatchspecError("--sweep tau: values must be probabilities in [0, 1]")
             if not values or min(values) < (1 if axis in ("batch_size", "k") else 0):
                 raise BatchspecError(f"--sweep {axis}: values must be {'>= 1' if axis in ('batch_size', 'k') else '>= 0'}")
         check_baselines(self.baselines)
@@ -101,9 +103,11 @@ def parse_sweep(items: list[str]) -> dict[str, tuple[int, ...]]:
                 low, high = (int(v) for v in values.split(".."))
                 numbers = tuple(range(low, high + 1))
             else:
-                numbers = tuple(int(v) for v in values.split(",") if v.strip())
+                kind = float if axis == "tau" else int  # tau is sprinter's probability threshold
+                numbers = tuple(kind(v) for v in values.split(",") if v.strip())
         except ValueError:
-            raise BatchspecError(f"--sweep {item!r}: expected AXIS=1,2,4 or AXIS=LOW..HIGH with integers") from None
+            raise BatchspecError(f"--sweep {item!r}: expected AXIS=1,2,4 or AXIS=LOW..HIGH with integers "
+                                 "(tau=0.3,0.5,0.7 with probabilities)") from None
         if not numbers:
             raise BatchspecError(f"--sweep {item!r}: no values")
         sweep[axis] = numbers
@@ -116,7 +120,7 @@ def sweep_points(config: BenchConfig) -> list[BenchConfig]:
     points = []
     for values in itertools.product(*(config.sweep[a] for a in axes)):
         point = dict(zip(axes, values))
-        spec = replace(config.spec, **{a: point[a] for a in ("k", "extra", "capacity") if a in point})
+        spec = replace(config.spec, **{a: point[a] for a in ("k", "extra", "capacity", "tau") if a in point})
         points.append(replace(config, batch_size=point.get("batch_size", config.batch_size), spec=spec))
     return points
 
@@ -153,9 +157,11 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     runs, outputs, texts = [], {}, {}
     recorder, traced_requests = _trace_recorder(config), None
     for index, point in enumerate(sweep_points(config)):
+        # tau only changes sprinter: a tau-only sweep runs the other policies at its first point alone.
+        policies = [p for p in config.policies if index == 0 or set(config.sweep) != {"tau"} or p == "sprinter"]
         engines = {policy: Engine(target, None if policy == "ar" else draft, replace(point.spec, policy=policy),
                                   max_batch_size=point.batch_size, seed=config.seed)
-                   for policy in config.policies}
+                   for policy in policies}
         for engine in engines.values():  # untimed warm-up (and dsd's step-time profiling)
             engine.generate(prompts[:2], replace(params[0], max_tokens=8), chat=config.chat)
         for trial in range(config.trials):
@@ -169,11 +175,11 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                 texts[(index, trial, policy)] = [o.text for o in result]
                 metrics = engine.metrics()
                 metrics.update(policy=policy, trial=trial, point=index, batch_size=point.batch_size, k=point.spec.k,
-                               extra=point.spec.extra, capacity=point.spec.capacity,
+                               extra=point.spec.extra, capacity=point.spec.capacity, tau=point.spec.tau,
                                window_history=engine.stats.window_history)
                 runs.append(metrics)
     for run in runs:
-        reference = outputs.get((run["point"], run["trial"], "ar"))
+        reference = outputs.get((run["point"], run["trial"], "ar"), outputs.get((0, run["trial"], "ar")))
         mine = outputs[(run["point"], run["trial"], run["policy"])]
         run["match_ar"] = (sum(a == b for a, b in zip(mine, reference)) / len(mine)) if reference else None
     if any(p not in LOSSLESS_POLICIES for p in config.policies):
@@ -202,7 +208,7 @@ def _add_quality(runs: list[dict], outputs: dict, texts: dict, target: LoadedMod
         key = (run["point"], run["trial"], run["policy"])
         if run["policy"] in LOSSLESS_POLICIES and run["policy"] != "ar":
             continue  # identical to ar at temperature 0; their quality is ar's
-        reference = texts.get((run["point"], run["trial"], "ar"))
+        reference = texts.get((run["point"], run["trial"], "ar"), texts.get((0, run["trial"], "ar")))
         run["rouge_l_ar"] = rouge_l(texts[key], reference) if reference else None
         run["target_nll"] = target_nll(target.transformer, prompt_ids, outputs[key])
 

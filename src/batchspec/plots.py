@@ -12,7 +12,8 @@ import statistics
 from pathlib import Path
 
 SWEEP_AXES = ("batch_size", "k", "extra", "capacity")
-AXIS_LABELS = {"batch_size": "batch size B (requests)", "k": "window k (draft tokens)",
+AXIS_LABELS = {"tau": "sprinter threshold tau (verifier probability)",
+               "batch_size": "batch size B (requests)", "k": "window k (draft tokens)",
                "extra": "extra draft tokens (K' - k)", "capacity": "capacity C (draft tokens verified per step)"}
 
 
@@ -146,12 +147,37 @@ def plot_position_acceptance(results: dict, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_speed_quality(results: dict, path: Path) -> Path | None:
+    """SPRINTER's trade-off: throughput against match with the target-only output, one point per tau."""
+    plt = _pyplot()
+    runs = [r for r in results["runs"] if r["policy"] == "sprinter" and r.get("match_ar") is not None]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        ax.scatter(run["match_ar"], run["tokens_per_s"], color=_color("sprinter"))
+        ax.annotate(f"tau={run.get('tau')}", (run["match_ar"], run["tokens_per_s"]), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    for policy in ("ar", "sd", "tetris"):
+        speeds = [r["tokens_per_s"] for r in results["runs"] if r["policy"] == policy]
+        if speeds:
+            ax.axhline(statistics.median(speeds), color=_color(policy), linestyle="--", label=f"{policy} (lossless)")
+    ax.set_xlabel("match_ar (share of outputs identical to the target-only greedy output)")
+    ax.set_ylabel("throughput (output tokens / s)")
+    ax.set_xlim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"SPRINTER speed vs quality: {_title(results)}", fontsize=9)
+    return _save(fig, path)
+
+
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
     """All plots that the results support, under `out_dir`; returns the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [plot_throughput(results, out_dir / "throughput.png"),
                plot_tetris_shape(results, out_dir / "tetris_shape.png"),
-               plot_position_acceptance(results, out_dir / "position_acceptance.png")]
+               plot_position_acceptance(results, out_dir / "position_acceptance.png"),
+               plot_speed_quality(results, out_dir / "sprinter_speed_quality.png")]
     for axis in results["config"].get("sweep") or {}:
         written.append(plot_sweep(results, axis, out_dir / f"sweep_{axis}.png"))
     return [p for p in written if p is not None]
