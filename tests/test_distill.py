@@ -125,11 +125,12 @@ def test_draft_with_other_vocabulary_size_is_refused(tiny_model_factory):
         check_draft_compatible(target, bigger)
 
 
-def test_default_draft_dir_is_a_small_model():
+def test_default_draft_is_a_small_model():
     path = default_draft_dir()
-    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    folder = path if path.is_dir() else path.parent
+    size = sum(f.stat().st_size for f in folder.iterdir())
     assert size <= 50 * 2**20
-    assert (path / "tokenizer.json").is_file() and (path / "MODEL_CARD.md").is_file()
+    assert (folder / "MODEL_CARD.md").is_file()
 
 
 def test_missing_default_draft_is_a_clear_error(monkeypatch, tmp_path):

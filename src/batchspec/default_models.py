@@ -120,12 +120,18 @@ DEFAULT_VERIFIER_DIR_NAME = "sprinter-verifier-smollm2-135m"  # under models/, b
 
 
 def default_draft_dir() -> Path:
-    """The draft this project trained for the default target (`batchspec distill`), shipped in the repository."""
+    """The draft this project trained for the default target (`batchspec distill`), shipped in the repository.
+
+    A GGUF file inside models/draft-smollm2-135m/ (it shares the target's quantised embedding), or an HF directory.
+    """
     path = Path(__file__).resolve().parents[2] / "models" / DEFAULT_DRAFT_DIR_NAME
-    if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
-        raise BatchspecError(f"the default draft is missing: expected a model directory at {path} "
-                             "(train one with `batchspec distill --target default --out DIR`)")
-    return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if ggufs:
+        return ggufs[0]
+    if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
+        return path
+    raise BatchspecError(f"the default draft is missing: expected a .gguf file or a model directory at {path} "
+                         "(train one with `batchspec distill --target default --out DIR`)")
 
 
 def default_verifier_dir() -> Path:

@@ -368,6 +368,8 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
 
     `prompts` replaces the standard-library prompts (user data; tests use a handful).
     """
+    from batchspec.default_models import default_target_path
+    from batchspec.gguf_export import write_draft_gguf
     from batchspec.loading import load_model
 
     work = out / "work"
@@ -396,6 +398,10 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
         return {"config": asdict(cfg), "data_s": data_s, "log": []}
     model, log = train(cfg, target, work, progress)
     export_draft(model, cfg, target, out)
+    target_file = default_target_path() if cfg.target == "default" else Path(cfg.target).expanduser()
+    if cfg.freeze_embedding and cfg.init_layers and target_file.suffix.lower() == ".gguf":
+        # The HF export repeats the target's embedding in float16; the GGUF shares its quantised encoding.
+        write_draft_gguf(out, target_file, out / "draft.gguf")
     summary = {"config": asdict(cfg), "data_s": data_s, "total_s": time.perf_counter() - started,
                "samples": len(load_samples(work / "data")),
                "parameters": sum(p.numel() for p in model.parameters()), "log": log}
@@ -418,4 +424,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     print(f"draft written to {out} ({summary['parameters'] / 1e6:.1f} M parameters, {cfg.steps} steps, "
           f"{summary['total_s'] / 60:.1f} min): held-out KL {first['val_kl']:.3f} -> {last['val_kl']:.3f}, "
           f"top-1 agreement {first['val_top1']:.3f} -> {last['val_top1']:.3f}")
+    if (out / "draft.gguf").is_file():
+        print(f"packed with the target's quantised embedding: {out / 'draft.gguf'} "
+              f"({(out / 'draft.gguf').stat().st_size / 2**20:.1f} MiB)")
     return 0

@@ -1,0 +1,35 @@
+"""A draft sliced from the default target, packed as GGUF with the target's quantised embedding, loads and runs
+exactly like its HF-format original (same tokenizer, logits equal up to the float16 storage of its layers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from batchspec.default_models import default_target_path
+from batchspec.gguf_export import permute_rope, write_draft_gguf
+from batchspec.loading import check_draft_compatible, load_model, unpermute_rope
+
+
+def test_permute_inverts_unpermute():
+    weight = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)
+    assert np.array_equal(unpermute_rope(permute_rope(weight, 4), 4), weight)
+
+
+def test_draft_gguf_matches_hf_draft(tmp_path, default_model_dir, default_model):
+    from conftest import make_layer_skip_draft
+
+    hf_dir = make_layer_skip_draft(default_model_dir, tmp_path / "skip2", layers=2)
+    path = write_draft_gguf(hf_dir, default_target_path(), tmp_path / "draft.gguf")
+    assert path.stat().st_size < 0.5 * sum(f.stat().st_size for f in hf_dir.glob("*.safetensors"))
+    hf, packed = load_model(hf_dir), load_model(path)
+    check_draft_compatible(default_model, packed)
+    assert torch.equal(packed.transformer.embed, default_model.transformer.embed)  # the target's own Q4_1 values
+    ids = default_model.tokenizer.encode("def fibonacci(n):\n    ")
+    logits = []
+    for model in (hf, packed):
+        cache = model.transformer.new_cache(1, len(ids) + 1)
+        logits.append(model.transformer.forward(cache, torch.tensor([0]), torch.tensor([len(ids)]),
+                                                torch.tensor(ids)).logits)
+    assert (logits[0] - logits[1]).abs().max() < 0.25  # Q8_0 layers
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
