@@ -121,9 +121,10 @@ def test_collect_train_eval_end_to_end(pair, collected, tmp_path, capsys):
     assert probs.shape == (5,) and bool(((probs >= 0) & (probs <= 1)).all())
 
 
-def test_mlp_and_hidden_only_verifiers(collected, tmp_path):
+def test_mlp_hidden_only_and_confidence_only_verifiers(collected, tmp_path):
     data = load_data(collected[0])
-    for cfg in (TrainConfig(features="hidden", label="sd", epochs=5), TrainConfig(mlp_hidden=8, epochs=5)):
+    for cfg in (TrainConfig(features="hidden", label="sd", epochs=5), TrainConfig(mlp_hidden=8, epochs=5),
+                TrainConfig(features="logq+entropy", epochs=5)):
         verifier = train_verifier(data, cfg)
         loaded = load_verifier(save_verifier(verifier, tmp_path / cfg.features / str(cfg.mlp_hidden)))
         rows = data.split("val")
