@@ -67,6 +67,10 @@ def plot_throughput(results: dict, path: Path) -> Path:
                     xytext=(0, 3), textcoords="offset points", fontsize=8)
     ax.set_ylabel("throughput (output tokens / s)")
     ax.set_xlabel("policy (median over trials; whiskers: min..max); grey: transformers baselines")
+    if len(policies) > 5:
+        ax.tick_params(axis="x", labelrotation=25)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     ax.set_title(_title(results), fontsize=9)
     return _save(fig, path)
 
