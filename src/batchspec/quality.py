@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from batchspec.model import Transformer
+from batchspec.teacher_forcing import answer_log_probs
 
 
 def rouge_l(candidates: list[str], references: list[str]) -> float:
@@ -21,21 +22,13 @@ def rouge_l(candidates: list[str], references: list[str]) -> float:
     return sum(scores) / len(scores) if scores else 0.0
 
 
-@torch.inference_mode()
 def target_nll(target: Transformer, prompts: list[list[int]], outputs: list[list[int]], per_call: int = 8) -> float:
     """Mean -log p(output token | prompt, earlier output) over every generated token of every request."""
     total, count = 0.0, 0
     pairs = [(p, o) for p, o in zip(prompts, outputs) if o]
     for start in range(0, len(pairs), per_call):
         chunk = pairs[start:start + per_call]
-        seqs = [p + o for p, o in chunk]
-        cache = target.new_cache(len(chunk), max(len(s) for s in seqs) + 1)
-        num_new = torch.tensor([len(s) for s in seqs])
-        first = torch.cumsum(num_new, 0) - num_new  # (B,) packed index of each sequence's first token
-        # the logits at position len(p) - 1 + j predict output token j
-        rows = torch.cat([f + len(p) - 1 + torch.arange(len(o)) for f, (p, o) in zip(first.tolist(), chunk)])
-        logp = target.forward(cache, torch.arange(len(chunk)), num_new, torch.tensor(sum(seqs, [])),
-                              logit_rows=rows).logits.log_softmax(-1)  # (N, V)
+        logp = answer_log_probs(target, chunk)  # (N, V)
         wanted = torch.tensor([t for _, o in chunk for t in o])  # (N,)
         total -= float(logp.gather(1, wanted[:, None]).sum())
         count += len(wanted)

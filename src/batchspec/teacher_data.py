@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchspec.errors import BatchspecError
+from batchspec.teacher_forcing import answer_log_probs
 
 if TYPE_CHECKING:
     from batchspec.distill import DistillConfig
@@ -175,17 +176,9 @@ def teacher_generate(target, prompt_ids: list[list[int]], max_new: int, temperat
              "top_ids": torch.stack(ids_log[i]), "top_logp": torch.stack(logp_log[i])} for i in range(batch)]
 
 
-@torch.inference_mode()
 def teacher_force(target, pairs: list[tuple[list[int], list[int]]], top_k: int) -> list[dict[str, torch.Tensor]]:
     """One prefill over (prompt, given answer) pairs: the target's top-k log-probs at every answer position."""
-    model = target.transformer
-    seqs = [p + a[:-1] for p, a in pairs]
-    cache = model.new_cache(len(pairs), max(len(s) for s in seqs) + 1)
-    num_new = torch.tensor([len(s) for s in seqs])
-    first = torch.cumsum(num_new, 0) - num_new  # (B,) packed index of each sequence's first token
-    rows = torch.cat([f + len(p) - 1 + torch.arange(len(a)) for f, (p, a) in zip(first.tolist(), pairs)])
-    logp = model.forward(cache, torch.arange(len(pairs)), num_new, torch.tensor(sum(seqs, [])),
-                         logit_rows=rows).logits.log_softmax(-1)  # (N, V)
+    logp = answer_log_probs(target.transformer, pairs)  # (N, V)
     top_logp, top_ids = logp.topk(top_k, dim=-1)
     out = []
     for (p, a), ids, lp in zip(pairs, top_ids.split([len(a) for _, a in pairs]),
