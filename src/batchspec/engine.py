@@ -262,11 +262,12 @@ class Engine:
         draws = None if greedy_all else torch.stack([r.uniform(2 * k_prime + 1) for r in active])  # (B, 2K'+1)
 
         sprinter = spec.policy == "sprinter"
+        scored_tetris = spec.policy == "tetris" and spec.tetris_scores == "verifier"  # the only other verifier use
         tau = (spec.tau if spec.tau is not None else self.verifier.threshold) if sprinter else None
         started = time.perf_counter()
         proposal = speculative.propose(self.draft.transformer, draft_cache, slots, [r.draft_pending for r in active],
                                        k_prime, sampling, None if greedy_all else draws[:, :k_prime],
-                                       verifier=self.verifier, stop_below=tau)
+                                       verifier=self.verifier if sprinter or scored_tetris else None, stop_below=tau)
         stats.draft_s += time.perf_counter() - started
         drafted = proposal.blocks.tolist() if sprinter else [k_prime] * batch
         stats.draft_tokens += sum(drafted)
@@ -284,8 +285,7 @@ class Engine:
             windows = proposal.blocks
         else:
             # Tetris may rank by the verifier's learned P(accept) instead of q: still draft-side only, lossless.
-            scores = (proposal.verifier_probs.clamp_min(1e-12).log() if spec.tetris_scores == "verifier"
-                      else proposal.logprobs)
+            scores = proposal.verifier_probs.clamp_min(1e-12).log() if scored_tetris else proposal.logprobs
             windows = select_windows(spec.policy, draft_logprobs=scores, k=k, capacity=capacity,
                                      turn_on_batch_size=spec.turn_on_batch_size, accept_probs=accept_probs)
         stats.select_s += time.perf_counter() - started
