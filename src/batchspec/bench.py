@@ -128,10 +128,8 @@ def sweep_points(config: BenchConfig) -> list[BenchConfig]:
 def prepare_prompts(config: BenchConfig, target: LoadedModel,
                     draft: LoadedModel | None) -> tuple[list[str], list[int], int]:
     """(prompts, max_tokens per prompt, number skipped): prompts too long for the context are dropped, not fatal."""
-    context = target.config.max_position_embeddings
-    if draft is not None:
-        context = min(context, draft.config.max_position_embeddings)
-    engine, tokenizer = Engine(target), target.tokenizer
+    engine, tokenizer = Engine(target, draft), target.tokenizer
+    context = engine.context_length
     kept, limits, skipped = [], [], 0
     for prompt, reply in load_dataset_with_replies(config.dataset, config.num_prompts):
         if not prompt.strip():
@@ -182,13 +180,15 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
         reference = outputs.get((run["point"], run["trial"], "ar"), outputs.get((0, run["trial"], "ar")))
         mine = outputs[(run["point"], run["trial"], run["policy"])]
         run["match_ar"] = (sum(a == b for a, b in zip(mine, reference)) / len(mine)) if reference else None
-    if any(p not in LOSSLESS_POLICIES for p in config.policies):
-        _add_quality(runs, outputs, texts, target, [Engine(target).encode_prompt(p, config.chat) for p in prompts])
+    lossy = any(p not in LOSSLESS_POLICIES for p in config.policies)
+    if lossy or config.baselines:  # both score or re-run the prompts as token ids, encoded once here
+        encoder = Engine(target)
+        prompt_ids = [encoder.encode_prompt(p, config.chat) for p in prompts]
+    if lossy:
+        _add_quality(runs, outputs, texts, target, prompt_ids)
     results = {"config": {**_config_dict(config, target, draft, len(prompts)), "skipped_prompts": skipped},
                "runs": runs, "baselines": []}
     if config.baselines:
-        engine = Engine(target)
-        prompt_ids = [engine.encode_prompt(p, config.chat) for p in prompts]
         reference = outputs.get((0, 0, "ar"))
         for name in config.baselines:
             count = len(prompts) if name == "hf_generate" else min(len(prompts), config.baseline_prompts)
