@@ -9,6 +9,8 @@
    Temperature 1: per-position acceptance E_{x~q}[min(1, p(x)/q(x))] = 1 - TV(p, q).
 4. Cost: median time of a batch-16 decode forward (one token per request, logits for every row) of draft and
    target, measured interleaved in the same runtime.
+5. A draft that ships a head vocabulary (head_vocab.py) is measured twice: as shipped, and scoring the whole
+   vocabulary, so the table shows what the restricted head costs in acceptance and saves in time.
 
     python benchmarks/draft_acceptance.py [--draft DIR] [--num-prompts 32] [--json]
 """
@@ -93,6 +95,22 @@ def forward_costs(target, draft, prompt_ids: list[list[int]], batch: int, reps: 
     return {"target_forward_ms": 1e3 * target_s, "draft_forward_ms": 1e3 * draft_s, "cost_ratio": draft_s / target_s}
 
 
+def draft_results(target, draft, target_logits, answers, prompt_ids, args) -> dict:
+    """Acceptance (greedy SD simulation, temperature-1 expectation) and forward costs of one draft."""
+    draft_logits = answer_logits(draft.transformer, list(zip(prompt_ids, [a.tolist() for a in answers])))
+    matches = [d.argmax(-1) == a for d, a in zip(draft_logits, answers)]
+    results = simulate_greedy_sd(matches, args.k)
+    p, q = torch.cat(target_logits).softmax(-1), torch.cat(draft_logits).softmax(-1)  # (N, V)
+    results["acceptance_t1"] = float(1 - 0.5 * (p - q).abs().sum(-1).mean())
+    results["draft_top1_match"] = float(torch.cat(matches).float().mean())
+    head = draft.transformer.head_ids
+    results["head_vocab"] = draft.config.vocab_size if head is None else int(head.numel())
+    results.update(forward_costs(target, draft, prompt_ids, args.batch_size, args.timing_reps))
+    batch_one = forward_costs(target, draft, prompt_ids, 1, args.timing_reps)
+    results.update({f"{key}_b1": value for key, value in batch_one.items()})
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="default")
@@ -119,18 +137,14 @@ def main(argv: list[str] | None = None) -> int:
              for p, o in zip(prompts, outputs)]
 
     target_logits = answer_logits(target.transformer, pairs)
-    draft_logits = answer_logits(draft.transformer, pairs)
     answers = [torch.tensor(a) for _, a in pairs]
-    matches = [d.argmax(-1) == a for d, a in zip(draft_logits, answers)]
-    results = simulate_greedy_sd(matches, args.k)
-    p, q = torch.cat(target_logits).softmax(-1), torch.cat(draft_logits).softmax(-1)  # (N, V)
-    results["acceptance_t1"] = float(1 - 0.5 * (p - q).abs().sum(-1).mean())
-    results["draft_top1_match"] = float(torch.cat(matches).float().mean())
+    prompt_ids = [i for i, _ in pairs]
+    results = draft_results(target, draft, target_logits, answers, prompt_ids, args)
     results["target_forced_greedy_match"] = float(torch.cat(
         [t.argmax(-1) == a for t, a in zip(target_logits, answers)]).float().mean())  # sanity: ~1.0
-    results.update(forward_costs(target, draft, [i for i, _ in pairs], args.batch_size, args.timing_reps))
-    batch_one = forward_costs(target, draft, [i for i, _ in pairs], 1, args.timing_reps)
-    results.update({f"{key}_b1": value for key, value in batch_one.items()})
+    if draft.transformer.head_ids is not None:  # the same draft scoring the whole vocabulary, for comparison
+        full = load_model(args.draft or default_draft_dir(), full_head=True)
+        results["full_head"] = draft_results(target, full, target_logits, answers, prompt_ids, args)
     results.update({"num_prompts": len(prompts), "answer_tokens": sum(len(a) for a in answers), "k": args.k,
                     "batch_size": args.batch_size, "target_generate_s": generate_s,
                     "draft": str(draft.model_dir), "draft_parameters": draft.transformer.num_parameters(),
@@ -143,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({results['target_parameters'] / 1e6:.1f} M) on {len(prompts)} HumanEval chat prompts, "
           f"{results['answer_tokens']} greedy answer tokens")
     rows = [
+        ("draft head vocabulary (tokens it can propose)", f"{results['head_vocab']}"),
         (f"acceptance, greedy, k={args.k}", f"{results['acceptance_greedy']:.3f}"),
         ("mean accepted length (1 + accepted)", f"{results['mean_accept_len']:.2f}"),
         ("per-position acceptance", " ".join(f"{a:.2f}" for a in results["per_position_accept"])),
@@ -155,6 +170,15 @@ def main(argv: list[str] | None = None) -> int:
          f"{results['draft_forward_ms_b1']:.1f} / {results['target_forward_ms_b1']:.1f}"),
         ("cost ratio draft / target, batch 1", f"{results['cost_ratio_b1']:.3f}"),
     ]
+    if "full_head" in results:
+        full = results["full_head"]
+        rows += [
+            (f"the same draft scoring all {full['head_vocab']} tokens:", ""),
+            (f"  acceptance, greedy, k={args.k} / temperature 1",
+             f"{full['acceptance_greedy']:.3f} / {full['acceptance_t1']:.3f}"),
+            ("  cost ratio draft / target, batch 16 / batch 1",
+             f"{full['cost_ratio']:.3f} / {full['cost_ratio_b1']:.3f}"),
+        ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

@@ -52,11 +52,15 @@ def test_tiny_distillation_lowers_kl_and_loads(tiny_target, tmp_path):
 def test_draft_from_target_layers(tiny_target, tmp_path):
     """--init-layers: the draft is a slice of the target (its embedding, chosen layers, norm) that training adapts."""
     out = tmp_path / "draft"
-    cfg = DistillConfig(target=str(tiny_target), **{**TINY, "init_layers": "-1", "freeze_embedding": True})
+    cfg = DistillConfig(target=str(tiny_target), **{**TINY, "init_layers": "-1", "freeze_embedding": True,
+                                                     "head_vocab": 300})
     log = run_distill(cfg, out, prompts=PROMPTS)["log"]
     assert log[-1]["val_kl"] < log[0]["val_kl"]
     draft, target = load_model(out), load_model(tiny_target)
     check_draft_compatible(target, draft)
+    # --head-vocab: the head scores the 300 tokens the target emitted most in its teacher data, EOS included
+    head = draft.transformer.head_ids
+    assert head.numel() == 300 and int(target.tokenizer.eos_token_id) in head.tolist()
     assert draft.config.num_layers == 1 and draft.config.hidden_size == target.config.hidden_size
     # frozen: the embedding is the target's, up to the float16 export
     assert torch.allclose(draft.transformer.embed, target.transformer.embed, atol=1e-3)
@@ -150,6 +154,8 @@ def test_cli_options_are_validated():
     add_distill_parser(parser.add_subparsers())
     with pytest.raises(BatchspecError, match="--hidden"):
         config_from_args(parser.parse_args(["distill", "--out", "x", "--hidden", "0"]))
+    with pytest.raises(BatchspecError, match="--head-vocab must be >= 0"):
+        config_from_args(parser.parse_args(["distill", "--out", "x", "--head-vocab", "-1"]))
     torch.manual_seed(0)  # keep global RNG use of other tests unaffected
     args = parser.parse_args(["distill", "--out", "x", "--steps", "7", "--layers", "2"])
     assert config_from_args(args).steps == 7 and args.run.__name__ == "cmd_distill"

@@ -221,7 +221,8 @@ def test_record_and_replay_tiny_models(tmp_path, tiny_model_factory):
     path = tmp_path / "trace.safetensors"
     assert main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", f"jsonl:{prompts}",
                  "--num-prompts", "3", "--batch-size", "2", "--policies", "sd,tetris", "-k", "2", "--extra", "1",
-                 "--max-tokens", "8", "--record-trace", str(path), "--json"]) == 0  # implies --measure-oracle
+                 "--max-tokens", "8", "--record-trace", str(path), "--baselines", "none",
+                 "--json"]) == 0  # implies --measure-oracle
     trace = load_trace(path)
     assert trace.meta["policy"] == "tetris" and trace.meta["k"] == 2 and trace.max_width == 3
     assert trace.num_requests == 3 and (trace.position >= 1).all() and (trace.output_len <= 8).all()

@@ -51,8 +51,11 @@ def emitted_tokens(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_
     return torch.where(positions == num_accepted[:, None], next_token[:, None], out)
 
 
-def sample_cells(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_cells(seed: int, head: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
     """Run `verify` on CALLS batches of BATCH requests drawn from GROUPS fixed (p, q) pairs.
+
+    head < VOCAB: q is zero outside the first `head` tokens, as for a draft with a restricted head vocabulary.
 
     Returns p (G, K'+1, V), q (G, K', V), token counts (G, W, K'+1, V) indexed by (group, window, output position),
     and the sum and count of num_accepted per (group, window), (G, W).
@@ -60,6 +63,8 @@ def sample_cells(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     generator = torch.Generator().manual_seed(seed)
     p = random_distributions(generator, GROUPS, K_PRIME + 1, VOCAB)  # (G, K'+1, V)
     q = random_distributions(generator, GROUPS, K_PRIME, VOCAB)  # (G, K', V)
+    q[..., head:] = 0.0
+    q = q / q.sum(-1, keepdim=True)
     windows_count = K_PRIME + 1
     counts = torch.zeros(GROUPS, windows_count, K_PRIME + 1, VOCAB, dtype=torch.float64)
     accepted_sum = torch.zeros(GROUPS, windows_count, dtype=torch.float64)
@@ -99,6 +104,14 @@ def test_ragged_verification_reproduces_target_distribution() -> None:
     assert float(0.5 * (p[:, :K_PRIME] - q).abs().sum(-1).min()) > 0.15
     assert int(counts[:, :, 3].sum()) > 1000  # the deepest cells are populated
     # 20 cells: a 1e-5 threshold keeps the false-alarm rate near 2e-4 for any seed; broken samplers score ~0.
+    assert min_p_value(p, counts) > 1e-5
+
+
+def test_draft_with_restricted_head_vocabulary_stays_lossless() -> None:
+    # A draft that can only propose 4 of the 6 tokens: the residual max(0, p - q) must supply the other two.
+    p, q, counts, _, _ = sample_cells(seed=1, head=VOCAB - 2)
+    assert float(q[..., VOCAB - 2:].sum()) == 0.0
+    assert float(p[..., VOCAB - 2:].sum(-1).min()) > 0.05  # the target does want the tokens the draft lacks
     assert min_p_value(p, counts) > 1e-5
 
 

@@ -9,6 +9,8 @@ import time
 
 from batchspec.errors import BatchspecError
 
+DEFAULT_BASELINES = ("hf_generate", "hf_generate_b1", "hf_assisted_b1")  # every row of baselines.BASELINES
+
 
 def positive_int(text: str) -> int:
     try:
@@ -138,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", nargs="+", default=[], metavar="AXIS=VALUES",
                        help="run every combination, e.g. --sweep batch_size=1,8,16 k=1..6 (axes: batch_size, k, "
                             "extra, capacity); one results file, plus plots against each axis")
-    bench.add_argument("--baselines", default="",
-                       help="extra rows from transformers on the same weights: hf_generate (batch --batch-size), "
-                            "hf_generate_b1, hf_assisted_b1 (assistant_model = the draft), comma-separated")
+    bench.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
+                       help="extra rows from transformers on the same weights, comma-separated: hf_generate (batch "
+                            "--batch-size), hf_generate_b1, hf_assisted_b1 (assistant_model = the draft); 'none' "
+                            "for no baseline rows (default: all three)")
     bench.add_argument("--baseline-prompts", type=positive_int, default=4,
                        help="prompts for the batch-1 baselines (default 4; hf_generate uses all)")
     bench.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
@@ -208,13 +211,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from batchspec.loading import load_model
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    needs_draft = any(p != "ar" for p in policies) or "hf_assisted_b1" in args.baselines
+    baselines = () if args.baselines.strip() == "none" else tuple(b.strip() for b in args.baselines.split(",")
+                                                                   if b.strip())
+    needs_draft = any(p != "ar" for p in policies) or "hf_assisted_b1" in baselines
     args.measure_oracle = args.measure_oracle or bool(args.record_trace)  # the trace needs the true a[i,j]
     config = BenchConfig(dataset=args.dataset, num_prompts=args.num_prompts, batch_size=args.batch_size,
                          policies=policies, spec=spec_config(args), max_tokens=args.max_tokens,
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed, trials=args.trials,
                          chat=not args.no_chat, record_trace=args.record_trace, sweep=parse_sweep(args.sweep),
-                         baselines=tuple(b.strip() for b in args.baselines.split(",") if b.strip()),
+                         baselines=baselines,
                          baseline_prompts=args.baseline_prompts)
     config.validate()
     target = load_model(args.target)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from batchspec.config import ModelConfig
 from batchspec.errors import BatchspecError
+from batchspec.head_vocab import GGUF_KEY as HEAD_VOCAB_GGUF_KEY, read_head_vocab
 from batchspec.loading import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 
 _TO_GGUF_GLOBAL = {hf: gg for gg, hf in GGUF_GLOBAL_NAMES.items()}
@@ -39,7 +40,10 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def write_draft_gguf(draft_dir: Path, target_gguf: Path, out: Path) -> Path:
-    """Write `out` (.gguf): the draft in `draft_dir` (HF format, same family and tokenizer as the target)."""
+    """Write `out` (.gguf): the draft in `draft_dir` (HF format, same family and tokenizer as the target).
+
+    A head vocabulary stored in `draft_dir` (`head_vocab.json`) goes into the GGUF metadata as `batchspec.head_vocab`.
+    """
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -56,6 +60,10 @@ def write_draft_gguf(draft_dir: Path, target_gguf: Path, out: Path) -> Path:
         value = config.num_layers if name == f"{arch}.block_count" else field.contents()
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, field.types[0], sub_type)
+
+    head_ids = read_head_vocab(draft_dir)
+    if head_ids is not None:
+        writer.add_array(HEAD_VOCAB_GGUF_KEY, [int(t) for t in head_ids])
 
     target_tensors = {t.name: t for t in reader.tensors}
     for hf_name, array in weights.items():

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from batchspec import default_models
 from batchspec.config import ModelConfig
 from batchspec.errors import BatchspecError
+from batchspec.head_vocab import GGUF_KEY as HEAD_VOCAB_GGUF_KEY, HEAD_VOCAB_FILE, read_head_vocab, write_head_vocab
 from batchspec.model import Transformer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
@@ -40,7 +41,9 @@ def resolve_model_dir(spec: str | Path) -> Path:
     raise BatchspecError(f"unrecognised model file {path}: expected a directory with config.json or a .gguf file")
 
 
-def load_transformer(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+def load_transformer(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                     full_head: bool = False) -> Transformer:
+    """The model in an HF directory; its LM head restricted to the stored head vocabulary unless `full_head`."""
     config = ModelConfig.from_file(model_dir / "config.json")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -52,7 +55,14 @@ def load_transformer(model_dir: Path, dtype: torch.dtype = torch.float32, device
         except (SafetensorError, OSError, ValueError) as bad:
             raise BatchspecError(f"cannot read weights {file}: {bad}") from None
         weights.update({name: t.to(dtype) for name, t in part.items()})
-    return Transformer.from_hf_state_dict(config, weights)
+    transformer = Transformer.from_hf_state_dict(config, weights)
+    head_ids = None if full_head else read_head_vocab(model_dir)
+    if head_ids is not None:
+        try:
+            transformer.restrict_head(head_ids)
+        except BatchspecError as bad:
+            raise BatchspecError(f"{model_dir / HEAD_VOCAB_FILE}: {bad}") from None
+    return transformer
 
 
 # --- GGUF -----------------------------------------------------------------------------------------------------
@@ -183,6 +193,9 @@ def convert_gguf(path: Path) -> Path:
         (staging / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
         save_file(weights, staging / "model.safetensors", metadata={"format": "pt", "source": path.name})
         _save_gguf_tokenizer(path, staging)
+        head_ids = reader.fields.get(HEAD_VOCAB_GGUF_KEY)
+        if head_ids is not None:
+            write_head_vocab(staging, torch.tensor(head_ids.contents(), dtype=torch.int64), source=path.name)
         staging.chmod(0o755)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
@@ -234,12 +247,16 @@ class LoadedModel:
         return frozenset(int(i) for i in ids)
 
 
-def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
-    """Load `default`, a GGUF file or an HF directory: weights into the native runtime, plus the tokenizer."""
+def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               full_head: bool = False) -> LoadedModel:
+    """Load `default`, a GGUF file or an HF directory: weights into the native runtime, plus the tokenizer.
+
+    A draft that ships a head vocabulary (`head_vocab.py`) scores only those tokens unless `full_head`.
+    """
     from batchspec.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(spec)
-    transformer = load_transformer(model_dir, dtype=dtype, device=device)
+    transformer = load_transformer(model_dir, dtype=dtype, device=device, full_head=full_head)
     tokenizer = Tokenizer(model_dir)
     if tokenizer.vocab_size > transformer.config.vocab_size:
         raise BatchspecError(f"tokenizer of {model_dir} has {tokenizer.vocab_size} tokens but the model only "

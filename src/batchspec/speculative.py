@@ -103,16 +103,18 @@ def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[lis
     num_new, tokens, last_rows = ragged_inputs(pending)
     for step in range(k_prime):
         out = draft.forward(cache, slots[rows], num_new, tokens, logit_rows=last_rows)
-        logits = out.logits  # (R, V)
-        log_softmax = logits.log_softmax(dim=-1)
+        # Over the draft's head vocabulary (all tokens, or the ones a restricted head can propose): q is 0 elsewhere.
+        log_softmax = out.head_logits.log_softmax(dim=-1)  # (R, N)
         if greedy_all:
-            token = logits.argmax(dim=-1)  # (R,)
-            score = log_softmax.gather(-1, token[:, None])[:, 0]
+            index = log_softmax.argmax(dim=-1)  # (R,) position in the head vocabulary
+            token = index if out.head_ids is None else out.head_ids[index]
+            score = log_softmax.gather(-1, index[:, None])[:, 0]
         else:
-            q = token_probs(logits, sampling[0][rows], sampling[1][rows], sampling[2][rows])  # (R, V)
+            q = token_probs(out.logits, sampling[0][rows], sampling[1][rows], sampling[2][rows])  # (R, V)
             token = sample_with_uniforms(q, uniforms[rows, step])
+            index = token if out.head_ids is None else torch.searchsorted(out.head_ids, token)
             score = torch.where(sampling[0][rows] > 0, q.gather(-1, token[:, None])[:, 0].clamp_min(1e-30).log(),
-                                log_softmax.gather(-1, token[:, None])[:, 0])
+                                log_softmax.gather(-1, index[:, None])[:, 0])
             probs[rows, step] = q
         tokens_out[rows, step] = token
         logprobs[rows, step] = score
@@ -120,7 +122,7 @@ def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[lis
         if verifier is not None:
             # SPRINTER features: the hidden state that produced the token, its log q and the draft's entropy.
             entropy = -(log_softmax.exp() * log_softmax).sum(-1)  # (R,)
-            logq = log_softmax.gather(-1, token[:, None])[:, 0]  # (R,)
+            logq = log_softmax.gather(-1, index[:, None])[:, 0]  # (R,)
             scores[rows, step] = verifier_probs(verifier, out.hidden[last_rows], logq, entropy)
             if stop_below is not None:
                 keep = scores[rows, step] >= stop_below

@@ -71,7 +71,9 @@ class CollectConfig:
 def weight_fingerprint(transformer) -> str:
     """sha256 of every weight tensor as float16 bytes, in a fixed order (independent of the load dtype/layout)."""
     digest = hashlib.sha256()
-    tensors = [transformer.embed, transformer.final_norm, transformer.lm_head]
+    tensors = [transformer.embed, transformer.final_norm, transformer._full_head]
+    if transformer.head_ids is not None:  # a restricted head changes q, log q and the entropy the verifier reads
+        tensors.append(transformer.head_ids)
     for layer in transformer.layers:
         tensors += [t for t in vars(layer).values() if t is not None]
     seen = set()
@@ -142,7 +144,7 @@ def token_features(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> d
     logq, draft_token = log_q.max(-1)  # (N,): greedy proposal d = argmax q and log q(d)
     logp = log_p.gather(1, draft_token[:, None])[:, 0]  # (N,) log p(d)
     target_argmax = log_p.argmax(-1)  # (N,)
-    entropy = -(log_q.exp() * log_q).sum(-1)  # (N,) nats
+    entropy = -torch.special.xlogy(log_q.exp(), log_q.exp()).sum(-1)  # (N,) nats; 0 log 0 = 0 (restricted heads)
     return {"draft_token": draft_token.to(torch.int32), "target_argmax": target_argmax.to(torch.int32),
             "logq": logq, "logp": logp, "entropy": entropy,
             "y_sd": (logq <= logp).to(torch.uint8), "y_greedy": (draft_token == target_argmax).to(torch.uint8)}

@@ -54,6 +54,13 @@ class Tokenizer:
         joined = "\n".join(f"{tok}\t{idx}" for tok, idx in sorted(vocab.items(), key=lambda kv: kv[1]))
         return len(vocab), hashlib.sha256(joined.encode("utf-8", "surrogatepass")).hexdigest()
 
+    def special_token_ids(self) -> list[int]:
+        """Ids of the special added tokens (EOS, chat markers, ...), sorted."""
+        ids = {i for i, added in self._tok.get_added_tokens_decoder().items() if added.special}
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return sorted(ids)
+
     def encode(self, text: str) -> list[int]:
         # Chat templates already contain their special tokens, so never add more here.
         return self._tok.encode(text, add_special_tokens=False).ids

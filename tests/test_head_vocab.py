@@ -1,0 +1,131 @@
+"""A draft's restricted head vocabulary: choice, storage (HF directory and GGUF), exact logits, lossless decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchspec import Engine, SamplingParams
+from batchspec.default_models import default_target_path
+from batchspec.errors import BatchspecError
+from batchspec.gguf_export import write_draft_gguf
+from batchspec.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab
+from batchspec.loading import LoadedModel, load_model
+from batchspec.model import Transformer
+from batchspec.speculative import SpecConfig
+
+PROMPTS = ["Write a Python function that reverses a string.", "What is a binary search? Answer briefly.",
+           "Write a Python function that returns the n-th Fibonacci number."]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.data())
+def test_choose_head_vocab_takes_the_most_frequent(counts, data):
+    counts = torch.tensor(counts)
+    vocab = counts.numel()
+    size = data.draw(st.integers(1, vocab))
+    always = data.draw(st.lists(st.integers(0, vocab - 1), max_size=size, unique=True))
+    ids = choose_head_vocab(counts, size, always)
+    assert ids.numel() == size and bool((ids[1:] > ids[:-1]).all())  # sorted, no repeats
+    assert set(always) <= set(ids.tolist())
+    chosen = torch.zeros(vocab, dtype=torch.bool)
+    chosen[ids] = True
+    free = [t for t in range(vocab) if t not in always]
+    # Every left-out token ranks below every chosen one that was not forced in: (count desc, id asc).
+    rank = {t: (-int(counts[t]), t) for t in free}
+    picked, left = [rank[t] for t in free if chosen[t]], [rank[t] for t in free if not chosen[t]]
+    assert not picked or not left or max(picked) < min(left)
+
+
+def test_choose_head_vocab_refuses_bad_sizes():
+    with pytest.raises(BatchspecError, match="size must be in"):
+        choose_head_vocab(torch.ones(10), 0)
+    with pytest.raises(BatchspecError, match="cannot force 3 token ids"):
+        choose_head_vocab(torch.ones(10), 2, [1, 2, 3])
+
+
+def test_count_target_tokens():
+    sample = {"top_ids": torch.tensor([[3, 1], [3, 2]]), "response": torch.tensor([4, 3])}
+    assert count_target_tokens([sample], 6).tolist() == [0, 0, 0, 3, 1, 0]
+
+
+def test_restricted_head_logits_are_exact_on_the_head_and_minus_inf_elsewhere(default_model):
+    model = Transformer(default_model.config, default_model.transformer.embed, default_model.transformer.layers,
+                        default_model.transformer.final_norm, default_model.transformer.lm_head)
+    ids = default_model.tokenizer.encode("def add(a, b):\n    return a + b")
+    outputs = []
+    head = torch.arange(0, 49152, 7)
+    for restrict in (None, head):
+        model.restrict_head(restrict)
+        cache = model.new_cache(1, len(ids) + 1)
+        outputs.append(model.forward(cache, torch.tensor([0]), torch.tensor([len(ids)]), torch.tensor(ids)))
+    full, restricted = outputs
+    assert restricted.head_logits.shape == (len(ids), head.numel())
+    assert torch.equal(restricted.logits[:, head], full.logits[:, head])
+    outside = torch.ones(49152, dtype=torch.bool)
+    outside[head] = False
+    assert bool(torch.isneginf(restricted.logits[:, outside]).all())
+    assert torch.equal(restricted.head_argmax(), full.logits[:, head].argmax(-1).mul(7))
+    assert model.num_parameters() == default_model.transformer.num_parameters()  # a view of the same weights
+    for bad, needle in ((torch.tensor([5, 3]), "strictly increasing"), (torch.tensor([49152]), r"in \[0, 49152\)"),
+                        (torch.tensor([], dtype=torch.int64), "1..49152 token ids")):
+        with pytest.raises(BatchspecError, match=needle):
+            model.restrict_head(bad)
+
+
+@pytest.fixture(scope="module")
+def restricted_draft(default_model) -> LoadedModel:
+    """A perturbed copy of the target that can propose only every third token (plus the specials)."""
+    base = default_model.transformer
+    noise = 0.05 * torch.randn(base.lm_head.shape, generator=torch.Generator().manual_seed(1))
+    model = Transformer(base.config, base.embed, base.layers, base.final_norm, base.lm_head + noise)
+    counts = torch.zeros(base.config.vocab_size)
+    counts[::3] = 1
+    model.restrict_head(choose_head_vocab(counts, base.config.vocab_size // 3 + 17,
+                                          default_model.tokenizer.special_token_ids()))
+    return LoadedModel("restricted", default_model.model_dir, model, default_model.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(default_model) -> list[list[int]]:
+    engine = Engine(default_model, max_batch_size=3)
+    return [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=12), chat=True)]
+
+
+@pytest.mark.parametrize("policy", ["sd", "tetris"])
+def test_restricted_draft_is_lossless_greedy(default_model, restricted_draft, ar_outputs, policy):
+    params, expected = SamplingParams(max_tokens=12), ar_outputs
+    engine = Engine(default_model, restricted_draft, SpecConfig(policy=policy, k=3, extra=2), max_batch_size=3)
+    assert [o.token_ids for o in engine.generate(PROMPTS, params, chat=True)] == expected
+    assert 0.0 < engine.metrics()["vsr"] < 1.0
+    head = set(restricted_draft.transformer.head_ids.tolist())
+    assert any(t not in head for ids in expected for t in ids)  # the target did emit tokens the draft cannot
+
+
+def test_restricted_draft_sampling_runs_and_is_seeded(default_model, restricted_draft):
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=3)
+    spec = SpecConfig(policy="tetris", k=3, extra=2)
+    runs = [Engine(default_model, restricted_draft, spec, max_batch_size=2).generate(PROMPTS[:2], params, chat=True)
+            for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert all(len(o.token_ids) > 0 for o in runs[0])
+
+
+def test_head_vocabulary_travels_with_hf_directory_and_gguf(tmp_path, default_model_dir, default_model):
+    from conftest import make_layer_skip_draft
+
+    hf_dir = make_layer_skip_draft(default_model_dir, tmp_path / "skip2", layers=2)
+    head = torch.tensor(sorted(set(range(0, 49152, 5)) | {2}))
+    write_head_vocab(hf_dir, head, source="test")
+    for path in (hf_dir, write_draft_gguf(hf_dir, default_target_path(), tmp_path / "draft.gguf")):
+        draft = load_model(path)
+        assert torch.equal(draft.transformer.head_ids, head)
+        assert load_model(path, full_head=True).transformer.head_ids is None
+    (hf_dir / HEAD_VOCAB_FILE).write_text('{"token_ids": [1, "two"]}')
+    with pytest.raises(BatchspecError, match="malformed head vocabulary"):
+        load_model(hf_dir)
+    (hf_dir / HEAD_VOCAB_FILE).write_text('{"token_ids": [9, 3]}')
+    with pytest.raises(BatchspecError, match="strictly increasing"):
+        load_model(hf_dir)
