@@ -101,3 +101,19 @@ def test_bench_reports_quality_of_lossy_runs(pair, tmp_path):
     assert runs["ar"]["rouge_l_ar"] == 1.0 and runs["sd"].get("target_nll") is None
     assert 0.0 <= runs["sprinter"]["rouge_l_ar"] <= 1.0 and runs["sprinter"]["target_nll"] > 0.0
     assert "quality sprinter" in format_table({"config": {}, "runs": list(runs.values())})
+
+
+def test_bench_sweeps_tetris_scores_in_one_run(pair):
+    """Learned-score Tetris beside plain Tetris: a tetris_scores sweep re-runs only tetris; both stay lossless."""
+    from batchspec.bench import BenchConfig, parse_sweep, run_bench
+
+    target, draft, verifier = pair
+    config = BenchConfig(dataset="humaneval", num_prompts=3, batch_size=3, policies=("ar", "tetris"),
+                         spec=SpecConfig(k=2, extra=1, verifier=verifier, measure_oracle=True), max_tokens=6,
+                         sweep=parse_sweep(["tetris_scores=q,verifier"]))
+    results = run_bench(config, target, draft)
+    assert [(r["policy"], r["tetris_scores"]) for r in results["runs"]] == [("ar", "q"), ("tetris", "q"),
+                                                                            ("tetris", "verifier")]
+    assert all(r["match_ar"] == 1.0 and 0.0 < r["oracle_fraction"] <= 1.0 + 1e-9 for r in results["runs"][1:])
+    with pytest.raises(BatchspecError, match="tetris_scores"):
+        BenchConfig(sweep={"tetris_scores": ("logits",)}).validate()

@@ -30,7 +30,10 @@ def check_baselines(names: tuple[str, ...]) -> None:
 
 def _hf_model(model: LoadedModel):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()  # no weight-loading bars or deprecation chatter in the bench output
+    hf_logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(str(model.model_dir), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = sorted(model.eos_token_ids) or None
     return hf

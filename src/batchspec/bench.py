@@ -26,6 +26,9 @@ from batchspec.selection import LOSSLESS_POLICIES, POLICIES
 from batchspec.speculative import SpecConfig
 
 
+ONLY_CHANGES = {"tau": "sprinter", "tetris_scores": "tetris"}  # sweep axes that matter to one policy only
+
+
 @dataclass
 class BenchConfig:
     dataset: str = "humaneval"
@@ -40,7 +43,7 @@ class BenchConfig:
     trials: int = 1
     chat: bool = True  # wrap prompts in the target's chat template (instruct models)
     record_trace: str | None = None  # write an acceptance trace of trial 0 of `trace_policy(policies)` here
-    sweep: dict[str, tuple[int, ...]] = field(default_factory=dict)  # axis (POINT_FIELDS) -> values
+    sweep: dict[str, tuple] = field(default_factory=dict)  # axis (POINT_FIELDS) -> values
     baselines: tuple[str, ...] = ()  # baselines.BASELINES
     baseline_prompts: int = 4  # prompts for the (slow) batch-1 baselines; hf_generate uses all
 
@@ -57,6 +60,10 @@ class BenchConfig:
                 raise BatchspecError(f"cannot sweep {axis!r}; sweepable: {', '.join(POINT_FIELDS)}")
             if axis == "tau" and not all(0.0 <= v <= 1.0 for v in values):
                 raise BatchspecError("--sweep tau: values must be probabilities in [0, 1]")
+            if axis == "tetris_scores":
+                if not values or not set(values) <= {"q", "verifier"}:
+                    raise BatchspecError("--sweep tetris_scores: values must be q and/or verifier")
+                continue
             if not values or min(values) < (1 if axis in ("batch_size", "k") else 0):
                 raise BatchspecError(f"--sweep {axis}: values must be {'>= 1' if axis in ('batch_size', 'k') else '>= 0'}")
         check_baselines(self.baselines)
@@ -92,14 +99,19 @@ def load_dataset_with_replies(spec: str, limit: int) -> list[tuple[str, str | No
     return pairs[:limit]
 
 
-def parse_sweep(items: list[str]) -> dict[str, tuple[int, ...]]:
-    """["batch_size=1,8,16", "k=1..6"] -> {"batch_size": (1, 8, 16), "k": (1, 2, 3, 4, 5, 6)}."""
+def parse_sweep(items: list[str]) -> dict[str, tuple]:
+    """["batch_size=1,8,16", "k=1..6"] -> {"batch_size": (1, 8, 16), "k": (1, 2, 3, 4, 5, 6)}.
+
+    tau takes probabilities (tau=0.3,0.5) and tetris_scores names (tetris_scores=q,verifier).
+    """
     sweep = {}
     for item in items:
         axis, _, values = item.partition("=")
         axis = axis.strip().replace("-", "_")
         try:
-            if ".." in values:
+            if axis == "tetris_scores":  # what Tetris ranks by: q, or the SPRINTER verifier's learned P(accept)
+                numbers = tuple(v.strip() for v in values.split(",") if v.strip())
+            elif ".." in values:
                 low, high = (int(v) for v in values.split(".."))
                 numbers = tuple(range(low, high + 1))
             else:
@@ -120,7 +132,8 @@ def sweep_points(config: BenchConfig) -> list[BenchConfig]:
     points = []
     for values in itertools.product(*(config.sweep[a] for a in axes)):
         point = dict(zip(axes, values))
-        spec = replace(config.spec, **{a: point[a] for a in ("k", "extra", "capacity", "tau") if a in point})
+        spec = replace(config.spec, **{a: point[a] for a in ("k", "extra", "capacity", "tau", "tetris_scores")
+                                       if a in point})
         points.append(replace(config, batch_size=point.get("batch_size", config.batch_size), spec=spec))
     return points
 
@@ -155,8 +168,11 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     runs, outputs, texts = [], {}, {}
     recorder, traced_requests = _trace_recorder(config), None
     for index, point in enumerate(sweep_points(config)):
-        # tau only changes sprinter: a tau-only sweep runs the other policies at its first point alone.
-        policies = [p for p in config.policies if index == 0 or set(config.sweep) != {"tau"} or p == "sprinter"]
+        # tau only changes sprinter and tetris_scores only tetris: a sweep over such axes alone runs the other
+        # policies at its first point only.
+        policies = [p for p in config.policies
+                    if index == 0 or not set(config.sweep) <= set(ONLY_CHANGES) or
+                    any(ONLY_CHANGES[axis] == p for axis in config.sweep)]
         engines = {policy: Engine(target, None if policy == "ar" else draft, replace(point.spec, policy=policy),
                                   max_batch_size=point.batch_size, seed=config.seed)
                    for policy in policies}
@@ -174,6 +190,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                 metrics = engine.metrics()
                 metrics.update(policy=policy, trial=trial, point=index, batch_size=point.batch_size, k=point.spec.k,
                                extra=point.spec.extra, capacity=point.spec.capacity, tau=point.spec.tau,
+                               tetris_scores=point.spec.tetris_scores,
                                window_history=engine.stats.window_history)
                 runs.append(metrics)
     for run in runs:

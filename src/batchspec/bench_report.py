@@ -10,7 +10,7 @@ from pathlib import Path
 TABLE_FIELDS = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "system_efficiency", "target_calls",
                 "oracle_fraction", "match_ar", "select_us_per_step")
 QUALITY_FIELDS = ("rouge_l_ar", "target_nll")  # lossy runs only (sprinter), and ar for reference
-POINT_FIELDS = ("batch_size", "k", "extra", "capacity", "tau")
+POINT_FIELDS = ("batch_size", "k", "extra", "capacity", "tau", "tetris_scores")
 
 
 def _point_label(run: dict, swept: list[str]) -> str:

@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print results.json on stdout instead of the table")
     bench.add_argument("--sweep", nargs="+", default=[], metavar="AXIS=VALUES",
                        help="run every combination, e.g. --sweep batch_size=1,8,16 k=1..6 (axes: batch_size, k, "
-                            "extra, capacity); one results file, plus plots against each axis")
+                            "extra, capacity, tau, tetris_scores=q,verifier); one results file, plus plots against "
+                            "each axis")
     bench.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
                        help="extra rows from transformers on the same weights, comma-separated: hf_generate (batch "
                             "--batch-size), hf_generate_b1, hf_assisted_b1 (assistant_model = the draft); 'none' "

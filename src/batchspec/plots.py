@@ -14,7 +14,8 @@ from pathlib import Path
 SWEEP_AXES = ("batch_size", "k", "extra", "capacity")
 AXIS_LABELS = {"tau": "sprinter threshold tau (verifier probability)",
                "batch_size": "batch size B (requests)", "k": "window k (draft tokens)",
-               "extra": "extra draft tokens (K' - k)", "capacity": "capacity C (draft tokens verified per step)"}
+               "extra": "extra draft tokens (K' - k)", "capacity": "capacity C (draft tokens verified per step)",
+               "tetris_scores": "what Tetris ranks drafts by (q: draft probability; verifier: learned P(accept))"}
 
 
 def _pyplot():
