@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from batchspec.config import ModelConfig
 from batchspec.errors import BatchspecError
-from batchspec.head_vocab import choose_head_vocab, count_target_tokens, write_head_vocab
+from batchspec.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab
 from batchspec.teacher_data import load_samples, make_teacher_data
 
 
@@ -386,7 +386,8 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
             raise BatchspecError(f"{out} already holds a distillation run; pass --resume to continue it "
                                  "or choose another --out")
         old = json.loads(settings.read_text())
-        free = {"steps", "save_every", "num_prompts", "forced_prompts", "head_vocab"}  # may change on resume (prompts are prefix-stable)
+        # May change on resume (prompts are prefix-stable; the head vocabulary is chosen at export).
+        free = {"steps", "save_every", "num_prompts", "forced_prompts", "head_vocab"}
         if not (work / "checkpoint.json").is_file():
             free |= TRAINING_FIELDS  # no training yet: only the teacher data must stay consistent
         changed = {k for k in old if k not in free and old[k] != asdict(cfg).get(k)}
@@ -410,6 +411,8 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
         counts = count_target_tokens(load_samples(work / "data"), target.config.vocab_size)
         head = choose_head_vocab(counts, cfg.head_vocab, target.tokenizer.special_token_ids())
         write_head_vocab(out, head, source="batchspec distill: the target's most frequent tokens in its teacher data")
+    else:
+        (out / HEAD_VOCAB_FILE).unlink(missing_ok=True)  # a full head: no choice left over from an earlier export
     target_file = default_target_path() if cfg.target == "default" else Path(cfg.target).expanduser()
     if cfg.freeze_embedding and cfg.init_layers and target_file.suffix.lower() == ".gguf":
         # The HF export repeats the target's embedding in float16; the GGUF shares its quantised encoding.

@@ -53,11 +53,6 @@ class ForwardOutput:
         full = self.head_logits.new_full((self.head_logits.shape[0], self.vocab_size), -math.inf)
         return full.index_copy_(1, self.head_ids.to(full.device), self.head_logits)
 
-    def head_argmax(self) -> torch.Tensor:
-        """(R,) int64 greedy token of each row (the lowest id among ties, as over the full vocabulary)."""
-        best = self.head_logits.argmax(dim=-1)
-        return best if self.head_ids is None else self.head_ids.to(best.device)[best]
-
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies (D/2,), computed exactly as transformers does so that logits agree to float precision."""

@@ -106,7 +106,7 @@ def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[lis
         # Over the draft's head vocabulary (all tokens, or the ones a restricted head can propose): q is 0 elsewhere.
         log_softmax = out.head_logits.log_softmax(dim=-1)  # (R, N)
         if greedy_all:
-            index = log_softmax.argmax(dim=-1)  # (R,) position in the head vocabulary
+            index = out.head_logits.argmax(dim=-1)  # (R,) position in the head vocabulary (sorted: ties as in V)
             token = index if out.head_ids is None else out.head_ids[index]
             score = log_softmax.gather(-1, index[:, None])[:, 0]
         else:
