@@ -35,3 +35,24 @@ def test_draft_gguf_matches_hf_draft(tmp_path, default_model_dir, default_model)
     assert (logits[0] - logits[1]).abs().max() < 0.25
     tv = 0.5 * (logits[0].softmax(-1) - logits[1].softmax(-1)).abs().sum(-1)
     assert float(tv.max()) < 0.05
+
+
+def test_coarser_matrix_type_is_smaller_and_close(tmp_path, default_model_dir, default_model):
+    import pytest
+
+    from conftest import make_layer_skip_draft
+    from batchspec.errors import BatchspecError
+
+    hf_dir = make_layer_skip_draft(default_model_dir, tmp_path / "skip2", layers=2)
+    fine = write_draft_gguf(hf_dir, default_target_path(), tmp_path / "q8.gguf")
+    coarse = write_draft_gguf(hf_dir, default_target_path(), tmp_path / "q5.gguf", matrix_type="Q5_1")
+    assert coarse.stat().st_size < fine.stat().st_size
+    ids = torch.tensor(default_model.tokenizer.encode("def fibonacci(n):\n    "))
+    probs = []
+    for path in (fine, coarse):
+        model = load_model(path).transformer
+        probs.append(model.forward(model.new_cache(1, len(ids) + 1), torch.tensor([0]), torch.tensor([len(ids)]),
+                                   ids).logits.softmax(-1))
+    assert float(0.5 * (probs[0] - probs[1]).abs().sum(-1).max()) < 0.2
+    with pytest.raises(BatchspecError, match="matrix type must be one of"):
+        write_draft_gguf(hf_dir, default_target_path(), tmp_path / "x.gguf", matrix_type="Q2_K")

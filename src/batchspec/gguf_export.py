@@ -39,14 +39,22 @@ def _gguf_name(hf_name: str) -> str:
     raise BatchspecError(f"no GGUF name for tensor {hf_name!r}")
 
 
-def write_draft_gguf(draft_dir: Path, target_gguf: Path, out: Path) -> Path:
+MATRIX_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1")  # block formats gguf-py can write, finest first
+
+
+def write_draft_gguf(draft_dir: Path, target_gguf: Path, out: Path, matrix_type: str = "Q8_0") -> Path:
     """Write `out` (.gguf): the draft in `draft_dir` (HF format, same family and tokenizer as the target).
+
+    `matrix_type`: how the draft's own trained matrices are stored (Q5_1 fits a deeper draft in the 50 MB budget).
 
     A head vocabulary stored in `draft_dir` (`head_vocab.json`) goes into the GGUF metadata as `batchspec.head_vocab`.
     """
     import gguf
     from gguf.quants import dequantize, quantize
 
+    if matrix_type not in MATRIX_TYPES:
+        raise BatchspecError(f"matrix type must be one of {', '.join(MATRIX_TYPES)}, got {matrix_type!r}")
+    block_type = getattr(gguf.GGMLQuantizationType, matrix_type)
     config = ModelConfig.from_file(draft_dir / "config.json")
     weights = {n: t.float().numpy() for n, t in load_file(draft_dir / "model.safetensors").items()}
     reader = gguf.GGUFReader(target_gguf)
@@ -81,10 +89,10 @@ def write_draft_gguf(draft_dir: Path, target_gguf: Path, out: Path) -> Path:
         elif config.model_type == "llama" and hf_name.endswith("k_proj.weight"):
             array = permute_rope(array, config.num_kv_heads)
         if array.ndim == 2 and array.shape[1] % 32 == 0:
-            # Matrices in Q8_0 (8-bit blocks of 32 with a float16 scale: ~0.4 % error, half of float16's size);
+            # Matrices in blocks of 32 (Q8_0: 8-bit with a float16 scale, ~0.4 % error, half of float16's size);
             # norms and biases stay float32.
-            packed = quantize(np.ascontiguousarray(array, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            packed = quantize(np.ascontiguousarray(array, dtype=np.float32), block_type)
+            writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=block_type)
         else:
             writer.add_tensor(name, np.ascontiguousarray(array.astype(np.float16 if array.ndim == 2 else np.float32)))
     writer.write_header_to_file()
