@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from batchspec.config import ModelConfig
 from batchspec.errors import BatchspecError
+from batchspec.gguf_export import MATRIX_TYPES
 from batchspec.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab
 from batchspec.teacher_data import load_samples, make_teacher_data
 
@@ -57,6 +58,7 @@ class DistillConfig:
     save_every: int = 50
     seed: int = 0
     head_vocab: int = 0  # >0: the draft's LM head scores only the N tokens the target emits most (head_vocab.py)
+    gguf_type: str = "Q8_0"  # block format of the trained matrices in OUT/draft.gguf (gguf_export.MATRIX_TYPES)
 
 
 # --- 3. the draft model and its training -------------------------------------------------------------------------
@@ -343,6 +345,8 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     add("--head-vocab", type=int, default=d.head_vocab,
         help="restrict the draft's LM head to the N tokens the target emits most often in the teacher data "
              "(0: the full vocabulary); 8192 halves the default draft's step time at no loss of acceptance")
+    add("--gguf-type", default=d.gguf_type, choices=MATRIX_TYPES,
+        help=f"block format of the trained matrices in OUT/draft.gguf ({d.gguf_type}; Q5_1 fits six layers in 50 MB)")
     add("--threads", type=int, default=None, help="torch threads (default: all cores)")
     add("--resume", action="store_true", help="continue an interrupted run in --out")
     add("--data-only", action="store_true", help="stop after generating the teacher data")
@@ -387,7 +391,7 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
                                  "or choose another --out")
         old = json.loads(settings.read_text())
         # May change on resume (prompts are prefix-stable; the head vocabulary is chosen at export).
-        free = {"steps", "save_every", "num_prompts", "forced_prompts", "head_vocab"}
+        free = {"steps", "save_every", "num_prompts", "forced_prompts", "head_vocab", "gguf_type"}
         if not (work / "checkpoint.json").is_file():
             free |= TRAINING_FIELDS  # no training yet: only the teacher data must stay consistent
         changed = {k for k in old if k not in free and old[k] != asdict(cfg).get(k)}
@@ -416,7 +420,7 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
     target_file = default_target_path() if cfg.target == "default" else Path(cfg.target).expanduser()
     if cfg.freeze_embedding and cfg.init_layers and target_file.suffix.lower() == ".gguf":
         # The HF export repeats the target's embedding in float16; the GGUF shares its quantised encoding.
-        write_draft_gguf(out, target_file, out / "draft.gguf")
+        write_draft_gguf(out, target_file, out / "draft.gguf", matrix_type=cfg.gguf_type)
     summary = {"config": asdict(cfg), "data_s": data_s, "total_s": time.perf_counter() - started,
                "samples": len(load_samples(work / "data")),
                "parameters": sum(p.numel() for p in model.parameters()), "log": log}
