@@ -105,7 +105,7 @@ class Transformer:
         self.final_norm = final_norm
         self.lm_head = lm_head  # (vocab, hidden); the same tensor as `embed` when tied; (N, hidden) if restricted
         self.head_ids: torch.Tensor | None = None  # (N,) sorted token ids of a restricted head (`restrict_head`)
-        self._full_head = lm_head
+        self.full_head = lm_head  # (vocab, hidden) whatever the head vocabulary
         self.rope_cos, self.rope_sin = self._rope_tables(config.max_position_embeddings)
 
     @property
@@ -117,7 +117,7 @@ class Transformer:
         return self.embed.dtype
 
     def num_parameters(self) -> int:
-        tensors = {id(t): t for t in [self.embed, self.final_norm, self._full_head]}
+        tensors = {id(t): t for t in [self.embed, self.final_norm, self.full_head]}
         for layer in self.layers:
             for t in vars(layer).values():
                 if t is not None:
@@ -127,7 +127,7 @@ class Transformer:
     def restrict_head(self, token_ids: torch.Tensor | None) -> None:
         """Compute logits only for `token_ids` (every other token gets probability 0); None restores the full head."""
         if token_ids is None:
-            self.lm_head, self.head_ids = self._full_head, None
+            self.lm_head, self.head_ids = self.full_head, None
             return
         ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten()
         vocab = self.config.vocab_size
@@ -136,7 +136,7 @@ class Transformer:
                                  f"ids" + (f" in [{int(ids.min())}, {int(ids.max())}]" if ids.numel() else ""))
         if bool((ids[1:] <= ids[:-1]).any()):
             raise BatchspecError("a head vocabulary's token ids must be strictly increasing (sorted, no repeats)")
-        self.lm_head = self._full_head[ids.to(self.device)].contiguous()
+        self.lm_head = self.full_head[ids.to(self.device)].contiguous()
         self.head_ids = ids.to(self.device)
 
     def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:

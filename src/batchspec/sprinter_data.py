@@ -71,7 +71,7 @@ class CollectConfig:
 def weight_fingerprint(transformer) -> str:
     """sha256 of every weight tensor as float16 bytes, in a fixed order (independent of the load dtype/layout)."""
     digest = hashlib.sha256()
-    tensors = [transformer.embed, transformer.final_norm, transformer._full_head]
+    tensors = [transformer.embed, transformer.final_norm, transformer.full_head]
     if transformer.head_ids is not None:  # a restricted head changes q, log q and the entropy the verifier reads
         tensors.append(transformer.head_ids)
     for layer in transformer.layers:
