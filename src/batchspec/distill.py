@@ -344,7 +344,7 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     add("--seed", type=int, default=d.seed, help=f"random seed ({d.seed})")
     add("--head-vocab", type=int, default=d.head_vocab,
         help="restrict the draft's LM head to the N tokens the target emits most often in the teacher data "
-             "(0: the full vocabulary); 8192 halves the default draft's step time at no loss of acceptance")
+             "(0: the full vocabulary); 8192 cuts the default draft's step time by 40 %% at ~no loss of acceptance")
     add("--gguf-type", default=d.gguf_type, choices=MATRIX_TYPES,
         help=f"block format of the trained matrices in OUT/draft.gguf ({d.gguf_type}; Q5_1 fits six layers in 50 MB)")
     add("--threads", type=int, default=None, help="torch threads (default: all cores)")
