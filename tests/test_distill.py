@@ -83,21 +83,21 @@ def test_resume_continues_from_checkpoint(tiny_target, tmp_path):
 
 
 def test_interrupted_run_resumes_exactly(tiny_target, tmp_path, monkeypatch):
-    import batchspec.distill as distill
+    import batchspec.distill_train as distill_train
 
     cfg = DistillConfig(target=str(tiny_target), **TINY)
     straight = run_distill(cfg, tmp_path / "a", prompts=PROMPTS)["log"]
-    save = distill.save_checkpoint
+    save = distill_train.save_checkpoint
 
     def save_then_interrupt(work, model, optimizer, step, log):
         save(work, model, optimizer, step, log)
         if step == 15:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(distill, "save_checkpoint", save_then_interrupt)
+    monkeypatch.setattr(distill_train, "save_checkpoint", save_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         run_distill(cfg, tmp_path / "b", prompts=PROMPTS)
-    monkeypatch.setattr(distill, "save_checkpoint", save)
+    monkeypatch.setattr(distill_train, "save_checkpoint", save)
     resumed = run_distill(cfg, tmp_path / "b", resume=True, prompts=PROMPTS)["log"]
     assert [e["step"] for e in resumed] == [0, 15, 30]
     assert resumed[-1]["val_kl"] == pytest.approx(straight[-1]["val_kl"], rel=1e-4)

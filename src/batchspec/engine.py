@@ -2,8 +2,8 @@
 
 `Engine.generate(prompts, SamplingParams)` is the library API the CLI is a thin layer over. It is a loop over
 `scheduler.Scheduler` (admission into free KV-cache slots, retiring finished requests), which the server drives
-directly; this module does the model work of each step: packed prefill, batched decode, and the speculative step
-(propose -> select -> verify -> commit).
+directly; this module does the model work of each step: packed prefill and batched decode here, the speculative
+step (propose -> select -> verify -> commit) in `speculative_step.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchspec import speculative
+from batchspec import speculative, speculative_step
 from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
 from batchspec.loading import LoadedModel, check_draft_compatible, load_model
@@ -22,10 +22,8 @@ from batchspec.metrics import RunStats, summarize
 from batchspec.request import GenerationOutput, Request, commit_tokens, output_of
 from batchspec.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
 from batchspec.scheduler import Scheduler
-from batchspec.selection import (AcceptanceEMA, StepTimeModel, draft_length, dsd_choose_k, expected_accepted,
-                                 oracle_windows, select_windows)
+from batchspec.selection import AcceptanceEMA, StepTimeModel
 from batchspec.speculative import SpecConfig
-from batchspec.verification import acceptance_probs, greedy_acceptance_probs, verify, verify_greedy
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
@@ -66,7 +64,7 @@ class Engine:
         self.stats = RunStats()
         self.last_requests: list[Request] = []  # of the last `generate`, for metrics()
         self.acceptance = AcceptanceEMA()  # dsd's running acceptance estimate
-        self._step_time = step_time
+        self.step_time = step_time
         self.trace = trace
         self.record_windows = True  # keep every step's windows in stats.window_history (off in a long-lived server)
         self.verifier = None  # SPRINTER's learned verifier (sprinter policy, or Tetris scored by it)
@@ -147,8 +145,8 @@ class Engine:
 
     def new_scheduler(self, num_slots: int, max_len: int) -> Scheduler:
         """A continuous-batching scheduler over fresh KV caches (profiles dsd's step time on first use)."""
-        if self.spec.policy == "dsd" and self._step_time is None:
-            self._step_time = self._profile_step_time()
+        if self.spec.policy == "dsd" and self.step_time is None:
+            self.step_time = self._profile_step_time()
         return Scheduler(self, num_slots, max_len)
 
     def run_step(self, target_cache: KVCache, draft_cache: KVCache | None, admitted: list[Request],
@@ -157,9 +155,9 @@ class Engine:
         if admitted:
             self._prefill(target_cache, draft_cache, admitted)
         elif self.speculative:
-            self._speculative_step(target_cache, draft_cache, active)
+            speculative_step.run(self, target_cache, draft_cache, active)
         else:
-            self._decode_step(target_cache, active)
+            self.decode_step(target_cache, active)
 
     def metrics(self) -> dict:
         """DESIGN.md section 6 metrics of the last `generate` call.
@@ -185,10 +183,10 @@ class Engine:
                     logit_rows: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
         out = self.target.transformer.forward(cache, slots, num_new, tokens, logit_rows=logit_rows)
-        self._count_target(time.perf_counter() - started, int(tokens.numel()))
+        self.count_target(time.perf_counter() - started, int(tokens.numel()))
         return out.logits
 
-    def _count_target(self, seconds: float, tokens: int) -> None:
+    def count_target(self, seconds: float, tokens: int) -> None:
         self.stats.target_s += seconds
         self.stats.target_calls += 1
         self.stats.target_tokens += tokens
@@ -214,7 +212,7 @@ class Engine:
                 r.draft_pending = r.output_ids[-1:]
             group = [request] if request is not None else []
 
-    def _decode_step(self, cache: KVCache, active: list[Request]) -> None:
+    def decode_step(self, cache: KVCache, active: list[Request]) -> None:
         slots = torch.tensor([r.slot for r in active])
         tokens = torch.tensor([r.output_ids[-1] for r in active])
         ones = torch.ones(len(active), dtype=torch.int64)
@@ -238,132 +236,7 @@ class Engine:
             tokens = sample_with_uniforms(probs, uniforms)
         now = time.perf_counter()
         for request, token in zip(requests, tokens.tolist()):
-            self._commit(request, [token], now)
-
-    # --- speculative step: propose -> select -> verify -> commit --------------------------------------------------
-
-    def _speculative_step(self, target_cache: KVCache, draft_cache: KVCache, active: list[Request]) -> None:
-        spec, stats = self.spec, self.stats
-        batch = len(active)
-        slots = torch.tensor([r.slot for r in active])
-        k, k_prime = self._window_sizes(batch)
-        # Never write past either cache (only near the end of the longest request can this bind).
-        room = min(draft_cache.max_len - int(draft_cache.lengths[slots].max()) - 2,
-                   target_cache.max_len - int(target_cache.lengths[slots].max()) - 1)
-        k_prime = max(0, min(k_prime, room))
-        if k_prime == 0:
-            self._decode_step(target_cache, active)
-            self._resync_draft(draft_cache, active)
-            return
-        params = [r.params for r in active]
-        greedy_all = all(p.greedy for p in params)
-        sampling = params_tensors(params)
-        # Each request's randomness for this step from its own generator: K' draft draws, K' accept tests, 1 next.
-        draws = None if greedy_all else torch.stack([r.uniform(2 * k_prime + 1) for r in active])  # (B, 2K'+1)
-
-        sprinter = spec.policy == "sprinter"
-        scored_tetris = spec.policy == "tetris" and spec.tetris_scores == "verifier"  # the only other verifier use
-        tau = (spec.tau if spec.tau is not None else self.verifier.threshold) if sprinter else None
-        started = time.perf_counter()
-        proposal = speculative.propose(self.draft.transformer, draft_cache, slots, [r.draft_pending for r in active],
-                                       k_prime, sampling, None if greedy_all else draws[:, :k_prime],
-                                       verifier=self.verifier if sprinter or scored_tetris else None, stop_below=tau)
-        stats.draft_s += time.perf_counter() - started
-        drafted = proposal.blocks.tolist() if sprinter else [k_prime] * batch
-        stats.draft_tokens += sum(drafted)
-
-        last = torch.tensor([r.output_ids[-1] for r in active])
-        accept_probs = None
-        if not sprinter and (spec.policy == "oracle" or spec.measure_oracle):
-            accept_probs = self._measure_acceptance(target_cache, slots, last, proposal, sampling, greedy_all)
-            if self.trace is not None:
-                self.trace.record(active, proposal.logprobs, accept_probs, stats)
-
-        started = time.perf_counter()
-        capacity = min(spec.capacity_for(batch), batch * k_prime)
-        if sprinter:  # the verifier already chose: each block ends at its first rejected draft (or at L)
-            windows = proposal.blocks
-        else:
-            # Tetris may rank by the verifier's learned P(accept) instead of q: still draft-side only, lossless.
-            scores = proposal.verifier_probs.clamp_min(1e-12).log() if scored_tetris else proposal.logprobs
-            windows = select_windows(spec.policy, draft_logprobs=scores, k=k, capacity=capacity,
-                                     turn_on_batch_size=spec.turn_on_batch_size, accept_probs=accept_probs)
-        stats.select_s += time.perf_counter() - started
-
-        before = target_cache.lengths[slots].clone()  # (B,) committed tokens minus the pending one
-        started = time.perf_counter()
-        scored = speculative.score(self.target.transformer, target_cache, slots, last, proposal, windows,
-                                   None if greedy_all else sampling)
-        # SPRINTER keeps the drafts its verifier vouched for; the target tests only each block's last one.
-        trusted = (windows - 1).clamp(min=0) if sprinter else None
-        if greedy_all:
-            accepted, next_token = verify_greedy(proposal.tokens, scored.argmax, windows, trusted)
-        else:
-            accepted, next_token = verify(proposal.tokens, proposal.probs, scored.probs, windows,
-                                          draws[:, k_prime:2 * k_prime], next_uniforms=draws[:, -1], trusted=trusted)
-        self._count_target(time.perf_counter() - started, int(windows.sum()) + batch)
-
-        # Commit: roll the target back to the accepted prefix, the draft to what it has of it.
-        target_cache.truncate_many(slots, before + 1 + accepted)
-        emitted_before = stats.emitted_tokens
-        now = time.perf_counter()
-        drafts, accepted_list = proposal.tokens.tolist(), accepted.tolist()
-        windows_list = windows.tolist()
-        for request, row, window, n, token, count in zip(active, drafts, windows_list, accepted_list,
-                                                         next_token.tolist(), drafted):
-            self._commit(request, row[:n] + [token], now)
-            request.target_steps += 1
-            request.drafted_tokens += count
-            request.verified_tokens += window
-            request.accepted_tokens += n
-        self._resync_draft(draft_cache, active)
-
-        stats.steps += 1
-        stats.request_steps += batch
-        stats.verified += sum(windows_list)
-        stats.accepted += sum(accepted_list)
-        stats.step_emitted += stats.emitted_tokens - emitted_before
-        stats.record_positions(windows_list, accepted_list)
-        if self.record_windows:
-            stats.window_history.append(windows_list)
-        if accept_probs is not None:
-            stats.policy_expected += expected_accepted(accept_probs, windows)
-            stats.oracle_expected += expected_accepted(accept_probs, oracle_windows(accept_probs, capacity))
-        if spec.policy == "dsd" and sum(windows_list):
-            self.acceptance = self.acceptance.update(sum(accepted_list) / sum(windows_list))
-
-    def _window_sizes(self, batch: int) -> tuple[int, int]:
-        """(k, K') for this step: the sd window and how many tokens the draft proposes."""
-        spec = self.spec
-        if spec.policy == "sprinter":
-            return spec.block_cap, spec.block_cap
-        k = dsd_choose_k(self.acceptance.value, batch, spec.k_max, self._step_time) if spec.policy == "dsd" else spec.k
-        return k, draft_length(spec.policy, k, spec.extra, batch, spec.turn_on_batch_size)
-
-    def _resync_draft(self, draft_cache: KVCache, active: list[Request]) -> None:
-        """Roll the draft back to the committed prefix it holds; what it lacks becomes its pending input."""
-        for request in active:
-            if request.finish_reason is not None:
-                continue
-            keep = min(int(draft_cache.lengths[request.slot]), request.num_tokens - 1)
-            draft_cache.truncate(request.slot, keep)
-            request.draft_pending = request.tokens_from(keep)
-
-    def _measure_acceptance(self, cache: KVCache, slots: torch.Tensor, last: torch.Tensor,
-                            proposal: speculative.Proposal, sampling, greedy_all: bool) -> torch.Tensor:
-        """Untimed target pass over all K' drafts: the true acceptance a[i,j] (B, K'), then roll the cache back."""
-        started = time.perf_counter()
-        before = cache.lengths[slots].clone()
-        full = torch.full((len(slots),), proposal.tokens.shape[1], dtype=torch.int64)
-        scored = speculative.score(self.target.transformer, cache, slots, last, proposal, full,
-                                   None if greedy_all else sampling)
-        cache.truncate_many(slots, before)
-        if greedy_all:
-            probs = greedy_acceptance_probs(proposal.tokens, scored.argmax)
-        else:
-            probs = acceptance_probs(proposal.tokens, proposal.probs, scored.probs)
-        self.stats.measure_s += time.perf_counter() - started
-        return probs
+            self.commit(request, [token], now)
 
     def _profile_step_time(self) -> StepTimeModel:
         """Fit dsd's step-time model T(B, k) from timed target and draft forwards on scratch caches."""
@@ -374,7 +247,7 @@ class Engine:
 
     # --- finishing ------------------------------------------------------------------------------------------------
 
-    def _commit(self, request: Request, tokens: list[int], now: float) -> None:
+    def commit(self, request: Request, tokens: list[int], now: float) -> None:
         """Append emitted tokens to a request and decide whether it is finished."""
         self.stats.emitted_tokens += commit_tokens(request, tokens, now, self.target.eos_token_ids,
                                                    self.target.tokenizer)

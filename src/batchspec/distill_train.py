@@ -1,0 +1,174 @@
+"""The training stage of `batchspec distill`: KL to the target's top-k plus cross-entropy, AdamW, checkpoints.
+
+`distill.py` builds the draft and the teacher data (`teacher_data.py`); this module trains it. A checkpoint holds
+weights, AdamW moments and the step; the data order is a function of seed and step, so a resumed run continues
+exactly where an interrupted one stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from batchspec.errors import BatchspecError
+from batchspec.teacher_data import load_samples
+
+if TYPE_CHECKING:
+    from batchspec.distill import DistillConfig
+
+
+def batch_schedule(lengths: list[int], batch_tokens: int, steps: int, seed: int) -> list[list[int]]:
+    """Sample indices per step: epochs of seeded permutations packed into batches of <= batch_tokens tokens."""
+    schedule: list[list[int]] = []
+    epoch = 0
+    while len(schedule) < steps:
+        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+        current, longest = [], 0
+        for i in order:
+            longest_if = max(longest, lengths[i])
+            if current and longest_if * (len(current) + 1) > batch_tokens:
+                schedule.append(current)
+                current, longest_if = [], lengths[i]
+            current.append(i)
+            longest = longest_if
+        schedule.append(current)
+        epoch += 1
+    return schedule[:steps]
+
+
+def make_batch(samples, indices: list[int], max_len: int, pad_id: int):
+    """Right-padded inputs (B, L) and the response positions with their teacher top-k (N, k)."""
+    rows, positions, top_ids, top_logp = [], [], [], []
+    for b, i in enumerate(indices):
+        s = samples[i]
+        seq = torch.cat([s["prompt"], s["response"]]).long()[:max_len + 1]
+        inputs = seq[:-1]  # position p predicts seq[p + 1]
+        first = len(s["prompt"]) - 1  # the position that predicts response token 0
+        n = min(len(s["response"]), len(inputs) - first)
+        rows.append(inputs)
+        positions.append(torch.stack([torch.full((n,), b), torch.arange(first, first + n)], 1))
+        top_ids.append(s["top_ids"][:n].long())
+        top_logp.append(s["top_logp"][:n].float())
+    length = max(len(r) for r in rows)
+    inputs = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    for b, r in enumerate(rows):
+        inputs[b, :len(r)] = r  # right padding is invisible to earlier positions under a causal mask
+    return inputs, torch.cat(positions), torch.cat(top_ids), torch.cat(top_logp)
+
+
+def distill_loss(model, inputs, positions, top_ids, top_logp, ce_weight: float) -> tuple[torch.Tensor, dict]:
+    """KL(renormalised teacher top-k || draft) + ce_weight * cross-entropy on the teacher's top-1."""
+    hidden = model.model(input_ids=inputs).last_hidden_state  # (B, L, hidden), after the final norm
+    chosen = hidden[positions[:, 0], positions[:, 1]]  # (N, hidden): only response positions need the LM head
+    log_q = F.linear(chosen, model.lm_head.weight).log_softmax(dim=-1)  # (N, V)
+    log_q_top = log_q.gather(1, top_ids)  # (N, k)
+    p = top_logp.softmax(dim=-1)  # (N, k) renormalised teacher top-k
+    kl = (p * (p.clamp_min(1e-12).log() - log_q_top)).sum(-1).mean()
+    ce = -log_q_top[:, 0].mean()
+    match = (log_q.argmax(-1) == top_ids[:, 0]).float().mean()
+    stats = {"kl": kl.item(), "ce": ce.item(), "top1": match.item()}
+    return kl + ce_weight * ce, stats
+
+
+def _lr_at(step: int, cfg: DistillConfig) -> float:
+    warmup = max(1, min(100, cfg.steps // 10))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def save_checkpoint(work: Path, model, optimizer, step: int, log: list[dict]) -> None:
+    tensors = {f"model.{n}": p.detach().contiguous() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            tensors[f"adam.{key}.{names[id(p)]}"] = state[key].contiguous()
+    tmp = work / "checkpoint.tmp"
+    save_file(tensors, tmp)
+    tmp.rename(work / "checkpoint.safetensors")
+    (work / "checkpoint.json").write_text(json.dumps({"step": step, "log": log}))
+
+
+def load_checkpoint(work: Path, model, optimizer) -> tuple[int, list[dict]]:
+    meta = json.loads((work / "checkpoint.json").read_text())
+    tensors = load_file(work / "checkpoint.safetensors")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(tensors[f"model.{n}"])
+            if f"adam.exp_avg.{n}" in tensors:
+                optimizer.state[p] = {"step": torch.tensor(float(meta["step"])),
+                                      "exp_avg": tensors[f"adam.exp_avg.{n}"],
+                                      "exp_avg_sq": tensors[f"adam.exp_avg_sq.{n}"]}
+    return meta["step"], meta["log"]
+
+
+@torch.no_grad()
+def evaluate(model, samples, indices: list[int], cfg: DistillConfig, pad_id: int) -> dict:
+    totals, count = {"kl": 0.0, "ce": 0.0, "top1": 0.0}, 0
+    for start in range(0, len(indices), 8):
+        batch = make_batch(samples, indices[start:start + 8], cfg.max_prompt_tokens + cfg.gen_tokens, pad_id)
+        _, stats = distill_loss(model, *batch, cfg.ce_weight)
+        n = len(batch[1])
+        for key in totals:
+            totals[key] += stats[key] * n
+        count += n
+    return {key: value / max(1, count) for key, value in totals.items()}
+
+
+def train(cfg: DistillConfig, model: torch.nn.Module, work: Path, pad_id: int,
+          progress: bool) -> tuple[torch.nn.Module, list[dict]]:
+    """AdamW over `cfg.steps` steps of `work/data`, resuming from `work/checkpoint.*`; returns (model, log).
+
+    The first 5 % of the samples (in shard order) are held out for the logged validation KL / top-1.
+    """
+    from tqdm import tqdm
+
+    samples = load_samples(work / "data")
+    if len(samples) < 2:
+        raise BatchspecError(f"too little teacher data in {work / 'data'} ({len(samples)} samples)")
+    held_out = max(1, len(samples) // 20)
+    val_idx, train_idx = list(range(held_out)), list(range(held_out, len(samples)))
+    max_len = cfg.max_prompt_tokens + cfg.gen_tokens
+    lengths = [min(max_len, len(samples[i]["prompt"]) + len(samples[i]["response"]) - 1) for i in train_idx]
+    schedule = [[train_idx[j] for j in b] for b in batch_schedule(lengths, cfg.batch_tokens, cfg.steps, cfg.seed)]
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    step, log = 0, []
+    if (work / "checkpoint.json").is_file():
+        step, log = load_checkpoint(work, model, optimizer)
+    else:
+        log.append({"step": 0, **{f"val_{k}": v for k, v in evaluate(model, samples, val_idx, cfg, pad_id).items()}})
+    bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", disable=not progress)
+    model.train()
+    while step < cfg.steps:
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        loss, stats = distill_loss(model, *make_batch(samples, schedule[step], max_len, pad_id), cfg.ce_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(kl=f"{stats['kl']:.3f}", top1=f"{stats['top1']:.3f}")
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            model.eval()
+            val = evaluate(model, samples, val_idx, cfg, pad_id)
+            model.train()
+            log.append({"step": step, "train_kl": stats["kl"], **{f"val_{k}": v for k, v in val.items()}})
+            save_checkpoint(work, model, optimizer, step, log)
+    bar.close()
+    if not (work / "checkpoint.json").is_file():  # steps == 0 on a fresh run
+        save_checkpoint(work, model, optimizer, step, log)
+    return model.eval(), log
