@@ -151,6 +151,18 @@ def test_capacity_bounds() -> None:
     assert torch.equal(oracle_windows(torch.rand(3, 4), 100), torch.full((3,), 4))
 
 
+def test_tetris_ranks_nan_and_positive_log_probs_safely() -> None:
+    # NaN ranks as -inf (never ahead of a real draft), log q > 0 from rounding as 0; the input is not modified.
+    logprobs = torch.tensor([[-0.1, math.nan, -0.1], [-0.5, -0.5, -0.5], [1e-7, -0.2, -math.inf]])
+    before = logprobs.clone()
+    as_meant = torch.tensor([[-0.1, -math.inf, -0.1], [-0.5, -0.5, -0.5], [0.0, -0.2, -math.inf]])
+    for capacity in range(10):
+        windows = tetris_windows(logprobs, capacity)
+        assert torch.equal(windows, tetris_windows(as_meant, capacity)) and int(windows.sum()) == capacity
+    assert torch.equal(logprobs.isnan(), before.isnan()) and torch.equal(logprobs.nan_to_num(), before.nan_to_num())
+    assert tetris_windows(logprobs, 3).tolist() == [1, 0, 2]
+
+
 def test_tetris_prefers_easy_requests() -> None:
     # Request 0 is confident, request 1 is not: the staircase gives request 0 the long window.
     logprobs = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.2, 0.9, 0.9, 0.9]]))
