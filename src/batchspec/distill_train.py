@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from batchspec.errors import BatchspecError
-from batchspec.teacher_data import load_samples
 
 if TYPE_CHECKING:
     from batchspec.distill import DistillConfig
@@ -122,15 +121,15 @@ def evaluate(model, samples, indices: list[int], cfg: DistillConfig, pad_id: int
     return {key: value / max(1, count) for key, value in totals.items()}
 
 
-def train(cfg: DistillConfig, model: torch.nn.Module, work: Path, pad_id: int,
-          progress: bool) -> tuple[torch.nn.Module, list[dict]]:
-    """AdamW over `cfg.steps` steps of `work/data`, resuming from `work/checkpoint.*`; returns (model, log).
+def train(cfg: DistillConfig, model: torch.nn.Module, samples: list[dict[str, torch.Tensor]], work: Path,
+          pad_id: int, progress: bool) -> tuple[torch.nn.Module, list[dict]]:
+    """AdamW over `cfg.steps` steps of the teacher `samples` (`teacher_data.load_samples(work / "data")`),
+    resuming from `work/checkpoint.*`; returns (model, log).
 
     The first 5 % of the samples (in shard order) are held out for the logged validation KL / top-1.
     """
     from tqdm import tqdm
 
-    samples = load_samples(work / "data")
     if len(samples) < 2:
         raise BatchspecError(f"too little teacher data in {work / 'data'} ({len(samples)} samples)")
     held_out = max(1, len(samples) // 20)
