@@ -26,9 +26,9 @@ import time
 import torch
 
 from batchspec.default_models import default_draft_dir
-from batchspec.loading import check_draft_compatible
 from batchspec.engine import Engine, configure_threads
-from batchspec.loading import load_model
+from batchspec.loading import check_draft_compatible, load_model
+from batchspec.profiling import machine_description
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
 from batchspec.sampling import SamplingParams
 
@@ -148,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     results.update({"num_prompts": len(prompts), "answer_tokens": sum(len(a) for a in answers), "k": args.k,
                     "batch_size": args.batch_size, "target_generate_s": generate_s,
                     "draft": str(draft.model_dir), "draft_parameters": draft.transformer.num_parameters(),
-                    "target_parameters": target.transformer.num_parameters()})
+                    "target_parameters": target.transformer.num_parameters(), "machine": machine_description()})
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     print(f"draft {results['draft']} ({results['draft_parameters'] / 1e6:.1f} M params) vs target "
           f"({results['target_parameters'] / 1e6:.1f} M) on {len(prompts)} HumanEval chat prompts, "
-          f"{results['answer_tokens']} greedy answer tokens")
+          f"{results['answer_tokens']} greedy answer tokens; machine: {results['machine']}")
     rows = [
         ("draft head vocabulary (tokens it can propose)", f"{results['head_vocab']}"),
         (f"acceptance, greedy, k={args.k}", f"{results['acceptance_greedy']:.3f}"),

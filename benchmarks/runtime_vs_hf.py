@@ -17,6 +17,7 @@ import time
 import torch
 
 from batchspec import Engine, SamplingParams, configure_threads, load_model
+from batchspec.profiling import machine_description
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
 
 
@@ -90,10 +91,12 @@ def main() -> None:
                      "speedup": our_tps / hf_tps, "identical_outputs": f"{same}/{total}"})
 
     if args.json:
-        print(json.dumps({"threads": threads, "transformers": transformers.__version__, "rows": rows}, indent=2))
+        print(json.dumps({"threads": threads, "machine": machine_description(),
+                          "transformers": transformers.__version__, "rows": rows}, indent=2))
         return
     print(f"target={args.target} max_tokens={args.max_tokens} trials={args.trials} threads={threads} "
           f"torch={torch.__version__} transformers={transformers.__version__}")
+    print(f"machine: {machine_description()}")
     print(f"{'batch':>5} {'transformers tok/s':>19} {'batchspec tok/s':>16} {'speedup':>8} {'same output':>12}")
     for r in rows:
         print(f"{r['batch_size']:>5} {r['transformers_tokens_per_s']:>19.1f} {r['batchspec_tokens_per_s']:>16.1f} "

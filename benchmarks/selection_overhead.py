@@ -15,6 +15,7 @@ import time
 import torch
 
 from batchspec import configure_threads
+from batchspec.profiling import machine_description
 from batchspec.selection import oracle_windows, sd_windows, tetris_windows
 
 
@@ -68,6 +69,7 @@ def main() -> None:
         "oracle": median_us(lambda: oracle_windows(accept, capacity), args.repeats),
     }
     print(f"B={batch} K'={k_prime} C={capacity} threads={threads} torch={torch.__version__}")
+    print(f"machine: {machine_description()}")
     print(f"{'policy':>8} {'median us/step':>15}")
     for name, us in rows.items():
         print(f"{name:>8} {us:>15.1f}")

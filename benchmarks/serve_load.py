@@ -27,6 +27,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from batchspec.profiling import machine_description
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
 
 
@@ -280,7 +281,7 @@ def main() -> int:
     references: dict[int, str] = {}
     runs = [measure(args, policy.strip(), prompts, references) for policy in args.policies.split(",")]
     print(f"{args.clients} streaming clients, {args.duration:.0f} s per policy, max_tokens {args.max_tokens}, "
-          f"batch {args.max_batch_size}, greedy, HumanEval chat prompts")
+          f"batch {args.max_batch_size}, greedy, HumanEval chat prompts; machine: {machine_description()}")
     print("policy    done/sent   req/s    tok/s  ttft50  ttft99   lat50   lat99    vsr accept lost garbled")
     for run in runs:
         print(format_row(run))

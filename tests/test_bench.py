@@ -70,6 +70,7 @@ def test_results_schema_and_files(tmp_path, tiny_model_factory):
     assert [r["policy"] for r in rows] == ["ar", "sd", "tetris", "oracle"]
     table = format_table(results)
     assert "tetris" in table and "tokens_per_s ratios" in table
+    assert table.startswith(f"measured on {results['config']['machine']}")  # which CPU: tokens/s depend on it
 
 
 def test_sweep_baselines_and_skipped_prompts(tmp_path, tiny_model_factory):

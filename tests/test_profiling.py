@@ -23,3 +23,11 @@ def test_step_time_profile_is_cached(tmp_path, monkeypatch, tiny_model_factory):
     monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
     profiling.cached_step_time(target, other, max_batch=2, k_max=2)  # another draft: a new profile
     assert len(list((tmp_path / "cache" / "profiles").glob("step-time-*.json"))) == 2
+
+
+def test_machine_description_names_the_cpu_and_threads():
+    import torch
+
+    description = profiling.machine_description()
+    assert f"({torch.backends.cpu.get_cpu_capability()})" in description
+    assert description.endswith(f"{torch.get_num_threads()} threads") and not description.startswith(" (")

@@ -10,7 +10,6 @@ DESIGN.md section 6 fields), DIR/results.csv, DIR/plots/*.png, and the table pri
 from __future__ import annotations
 
 import itertools
-import platform
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -20,6 +19,7 @@ from batchspec.bench_report import POINT_FIELDS, TABLE_FIELDS, format_table, sum
 from batchspec.engine import Engine
 from batchspec.errors import BatchspecError
 from batchspec.loading import LoadedModel
+from batchspec.profiling import machine_description
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts, load_prompts_file, sharegpt_prompts
 from batchspec.sampling import SamplingParams
 from batchspec.selection import LOSSLESS_POLICIES, POLICIES
@@ -259,5 +259,5 @@ def _config_dict(config: BenchConfig, target: LoadedModel, draft: LoadedModel | 
     out["draft"] = str(draft.model_dir) if draft is not None else None
     out["torch"] = torch.__version__
     out["threads"] = torch.get_num_threads()
-    out["machine"] = platform.processor() or platform.machine()
+    out["machine"] = machine_description()
     return out

@@ -43,7 +43,9 @@ def format_table(results: dict) -> str:
     rows = summary_rows(results)
     header = f"{'policy':>15} " + " ".join(f"{name:>17}" for name in TABLE_FIELDS)
     ours = [r for r in rows if not r["policy"].startswith("hf_")]
-    lines = []
+    config = results["config"]
+    # Absolute tokens/s depend on the CPU (sessions and users land on different ones): say which one this was.
+    lines = [f"measured on {config['machine']}, torch {config['torch']}"] if config.get("machine") else []
     for point in dict.fromkeys(r["point"] for r in ours):
         group = [r for r in ours if r["point"] == point]
         lines += ([f"[{point}]"] if point else []) + [header]

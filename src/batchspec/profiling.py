@@ -13,6 +13,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -37,6 +38,25 @@ def _time_forward(model: Transformer, batch: int, tokens_each: int, repeats: int
     return statistics.median(times[1:])
 
 
+def machine_description() -> str:
+    """The CPU a measurement ran on, e.g. 'Intel(R) Xeon(R) Processor (AVX512), 2 threads'.
+
+    Sessions, CI and users land on different CPUs (an AVX2 EPYC and an AVX-512/AMX Xeon gave this project's
+    measurements so far), and tokens/s and the dsd step-time fit depend on it, so results and profiles name it.
+    `platform.processor()` is empty on Linux; /proc/cpuinfo's model name is not.
+    """
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads"
+
+
 def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> str:
     def model_id(model: Transformer) -> dict:
         weights = model.embed.float()
@@ -44,7 +64,7 @@ def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max:
                 "dtype": str(weights.dtype)}
 
     key = {"target": model_id(target), "draft": model_id(draft), "max_batch": max_batch, "k_max": k_max,
-           "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor(),
+           "torch": torch.__version__, "cpu": machine_description(),
            "machine": platform.machine(), "node": platform.node()}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
