@@ -160,3 +160,11 @@ def test_cli_options_are_validated():
     args = parser.parse_args(["distill", "--out", "x", "--steps", "7", "--layers", "2"])
     assert config_from_args(args).steps == 7 and args.run.__name__ == "cmd_distill"
     shutil.rmtree("x", ignore_errors=True)
+
+
+def test_shipped_verifier_belongs_to_the_shipped_draft():
+    """Replacing the default draft without re-collecting its SPRINTER verifier would break `--verifier default`."""
+    from batchspec.default_models import default_verifier_dir
+    from batchspec.sprinter import load_verifier
+
+    load_verifier(default_verifier_dir(), draft=load_model(default_draft_dir()))  # raises if the weights differ
