@@ -9,8 +9,8 @@ import torch
 from batchspec.loading import load_transformer
 
 
-def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """fp32 rounding only: max |actual - expected| <= max(1e-4, 1e-5 * max |expected|).
+def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 rounding only (logits or final hidden states): max |actual - expected| <= max(1e-4, 1e-5 max|expected|).
 
     The two implementations sum in different orders (the runtime computes linears as (W @ x^T)^T), and rounding
     scales with the activations, not with each logit, so the bound is relative to the largest one. How far the
@@ -37,19 +37,19 @@ def check_ragged(model, ids_a: list[int], ids_b: list[int], ref_a: torch.Tensor,
     # slot_pad makes the batch's slots non-contiguous (a, b = 1, 2 after releasing 0), exercising the gather path.
     out = model.forward(cache, torch.tensor([slot_a, slot_b]), torch.tensor([len(ids_a), len(ids_b)]),
                         torch.tensor(ids_a + ids_b))
-    assert_logits_close(out.logits[:len(ids_a)], ref_a)
-    assert_logits_close(out.logits[len(ids_a):], ref_b)
+    assert_fp32_close(out.logits[:len(ids_a)], ref_a)
+    assert_fp32_close(out.logits[len(ids_a):], ref_b)
     cache.release(slot_pad)
     keep_a, keep_b = len(ids_a) - 5, len(ids_b) - 2
     cache.truncate(slot_a, keep_a)
     cache.truncate(slot_b, keep_b)
     # b appends nothing in one step (it sits out), then a ragged step of 5 and 2 tokens, and a batch order swap.
     out = model.forward(cache, torch.tensor([slot_b, slot_a]), torch.tensor([0, 2]), torch.tensor(ids_a[keep_a:keep_a + 2]))
-    assert_logits_close(out.logits, ref_a[keep_a:keep_a + 2])
+    assert_fp32_close(out.logits, ref_a[keep_a:keep_a + 2])
     out = model.forward(cache, torch.tensor([slot_b, slot_a]), torch.tensor([2, 3]),
                         torch.tensor(ids_b[keep_b:] + ids_a[keep_a + 2:]))
-    assert_logits_close(out.logits[:2], ref_b[keep_b:])
-    assert_logits_close(out.logits[2:], ref_a[keep_a + 2:])
+    assert_fp32_close(out.logits[:2], ref_b[keep_b:])
+    assert_fp32_close(out.logits[2:], ref_a[keep_a + 2:])
     assert cache.lengths[slot_a] == len(ids_a) and cache.lengths[slot_b] == len(ids_b)
 
 
@@ -71,7 +71,7 @@ def test_gguf_dequantisation_matches_transformers_gguf_loader(default_model, def
     cache = default_model.transformer.new_cache(1, 64)
     slot = cache.allocate()
     out = default_model.transformer.forward(cache, torch.tensor([slot]), torch.tensor([len(ids)]), torch.tensor(ids))
-    assert_logits_close(out.logits, ref)
+    assert_fp32_close(out.logits, ref)
 
 
 @pytest.mark.parametrize("model_type,overrides", [
@@ -104,4 +104,4 @@ def test_hidden_states_are_the_final_normed_states(tiny_model_factory):
     out = model.forward(cache, torch.tensor([cache.allocate()]), torch.tensor([len(ids)]), torch.tensor(ids),
                         all_logits=False)
     assert out.logits is None
-    assert_logits_close(out.hidden, ref)
+    assert_fp32_close(out.hidden, ref)
