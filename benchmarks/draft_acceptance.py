@@ -29,6 +29,7 @@ from batchspec.default_models import default_draft_dir
 from batchspec.engine import Engine, configure_threads
 from batchspec.loading import check_draft_compatible, load_model
 from batchspec.profiling import machine_description
+from batchspec.precision import DTYPE_CHOICES, dtype_name, resolve_dtype
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
 from batchspec.sampling import SamplingParams
 
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="default")
     parser.add_argument("--draft", default=None, help="draft model directory (default: the shipped draft)")
+    parser.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="the draft's float type (auto: bfloat16 on CPUs with native bfloat16, else float32)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_threads()
 
     target = load_model(args.target)
-    draft = load_model(args.draft or default_draft_dir())
+    draft_dtype = resolve_dtype(args.draft_dtype)
+    draft = load_model(args.draft or default_draft_dir(), dtype=draft_dtype)
     check_draft_compatible(target, draft)
     prompts = [humaneval_chat_prompt(p) for p in humaneval_prompts()[:args.num_prompts]]
     engine = Engine(target, max_batch_size=args.batch_size)
@@ -143,17 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     results["target_forced_greedy_match"] = float(torch.cat(
         [t.argmax(-1) == a for t, a in zip(target_logits, answers)]).float().mean())  # sanity: ~1.0
     if draft.transformer.head_ids is not None:  # the same draft scoring the whole vocabulary, for comparison
-        full = load_model(args.draft or default_draft_dir(), full_head=True)
+        full = load_model(args.draft or default_draft_dir(), dtype=draft_dtype, full_head=True)
         results["full_head"] = draft_results(target, full, target_logits, answers, prompt_ids, args)
     results.update({"num_prompts": len(prompts), "answer_tokens": sum(len(a) for a in answers), "k": args.k,
                     "batch_size": args.batch_size, "target_generate_s": generate_s,
-                    "draft": str(draft.model_dir), "draft_parameters": draft.transformer.num_parameters(),
+                    "draft": str(draft.model_dir), "draft_dtype": dtype_name(draft_dtype),
+                    "draft_parameters": draft.transformer.num_parameters(),
                     "target_parameters": target.transformer.num_parameters(), "machine": machine_description()})
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    print(f"draft {results['draft']} ({results['draft_parameters'] / 1e6:.1f} M params) vs target "
+    print(f"draft {results['draft']} ({results['draft_parameters'] / 1e6:.1f} M params, "
+          f"{results['draft_dtype']}) vs target "
           f"({results['target_parameters'] / 1e6:.1f} M) on {len(prompts)} HumanEval chat prompts, "
           f"{results['answer_tokens']} greedy answer tokens; machine: {results['machine']}")
     rows = [

@@ -91,3 +91,16 @@ def test_bad_spec_is_refused(default_model, noisy_draft, spec, needle):
 def test_speculative_policy_needs_a_draft(default_model):
     with pytest.raises(BatchspecError, match="needs a draft model"):
         Engine(default_model, None, SpecConfig(policy="tetris"))
+
+
+@pytest.mark.parametrize("policy", ["sd", "tetris"])
+def test_bfloat16_draft_stays_lossless(default_model, ar_outputs, policy):
+    # The shipped draft in bfloat16 (the `auto` choice on CPUs with native bfloat16): only the target decides.
+    from batchspec.default_models import default_draft_dir
+
+    draft = load_model(default_draft_dir(), dtype=torch.bfloat16)
+    engine = Engine(default_model, draft, SpecConfig(policy=policy, k=3, extra=2), max_batch_size=3)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=20), chat=True)
+    assert draft.transformer.dtype == torch.bfloat16
+    assert [o.token_ids for o in outputs] == ar_outputs
+    assert engine.metrics()["vsr"] > 0.1  # the draft still proposes tokens the target accepts

@@ -2,8 +2,8 @@
 
 - `hf_generate` — `model.generate` with the target alone, greedy, left-padded batches of `batch_size`;
 - `hf_generate_b1` — the same, one prompt at a time;
-- `hf_assisted_b1` — assisted generation (`assistant_model=` the draft), batch 1 (transformers supports no other),
-  with transformers' default assistant schedule.
+- `hf_assisted_b1` — assisted generation (`assistant_model=` the draft, in the float type batchspec runs it in),
+  batch 1 (transformers supports no other), with transformers' default assistant schedule.
 
 Each row reports `tokens_per_s` (output tokens, EOS included as our engine counts it, / wall time of the whole
 generation, prefill included — the same definition as batchspec's rows) and `match_ar`, the share of prompts whose
@@ -29,12 +29,13 @@ def check_baselines(names: tuple[str, ...]) -> None:
 
 
 def _hf_model(model: LoadedModel):
+    """The same weights in transformers, in the float type batchspec runs them in (a bfloat16 draft stays one)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # no weight-loading bars or deprecation chatter in the bench output
     hf_logging.disable_progress_bar()
-    hf = AutoModelForCausalLM.from_pretrained(str(model.model_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model.model_dir), dtype=model.transformer.dtype).eval()
     hf.generation_config.eos_token_id = sorted(model.eos_token_ids) or None
     return hf
 

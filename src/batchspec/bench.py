@@ -20,6 +20,7 @@ from batchspec.engine import Engine
 from batchspec.errors import BatchspecError
 from batchspec.loading import LoadedModel
 from batchspec.profiling import machine_description
+from batchspec.precision import dtype_name
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts, load_prompts_file, sharegpt_prompts
 from batchspec.sampling import SamplingParams
 from batchspec.selection import LOSSLESS_POLICIES, POLICIES
@@ -257,6 +258,7 @@ def _config_dict(config: BenchConfig, target: LoadedModel, draft: LoadedModel | 
     out["num_prompts"] = num_prompts
     out["target"] = str(target.model_dir)
     out["draft"] = str(draft.model_dir) if draft is not None else None
+    out["draft_dtype"] = dtype_name(draft.transformer.dtype) if draft is not None else None
     out["torch"] = torch.__version__
     out["threads"] = torch.get_num_threads()
     out["machine"] = machine_description()

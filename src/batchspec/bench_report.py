@@ -45,7 +45,10 @@ def format_table(results: dict) -> str:
     ours = [r for r in rows if not r["policy"].startswith("hf_")]
     config = results["config"]
     # Absolute tokens/s depend on the CPU (sessions and users land on different ones): say which one this was.
-    lines = [f"measured on {config['machine']}, torch {config.get('torch', '?')}"] if config.get("machine") else []
+    lines = []
+    if config.get("machine"):
+        draft = f", draft in {config['draft_dtype']}" if config.get("draft_dtype") else ""
+        lines.append(f"measured on {config['machine']}, torch {config.get('torch', '?')}{draft}")
     for point in dict.fromkeys(r["point"] for r in ours):
         group = [r for r in ours if r["point"] == point]
         lines += ([f"[{point}]"] if point else []) + [header]

@@ -23,11 +23,17 @@ def positive_int(text: str) -> int:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
+    from batchspec.precision import DTYPE_CHOICES
+
     parser.add_argument("--target", default="default",
                         help="target model: 'default' (SmolLM2-135M-Instruct), a GGUF file or an HF directory")
     parser.add_argument("--draft", default=None,
                         help="draft model for speculative policies: 'default' (the shipped draft), a GGUF file or "
                              "an HF directory")
+    parser.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="the draft's float type: auto (bfloat16 where the CPU computes it natively, AVX512-BF16 "
+                             "or AMX; else float32), float32 or bfloat16. Lossless either way: the target, always "
+                             "float32, decides every token")
 
 
 def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> None:
@@ -183,8 +189,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     draft = args.draft if args.draft is not None or args.policy == "ar" else "default"
-    engine = Engine.from_pretrained(args.target, resolve_draft(draft), spec=spec_config(args),
-                                    max_batch_size=args.batch_size, seed=args.seed)
+    engine = Engine.from_pretrained(args.target, resolve_draft(draft), draft_dtype=args.draft_dtype,
+                                    spec=spec_config(args), max_batch_size=args.batch_size, seed=args.seed)
     show_progress = not args.no_progress and sys.stderr.isatty() and len(prompts) > 1
     outputs = engine.generate(prompts, params, chat=args.chat, progress=show_progress)
     stats = engine.metrics()
@@ -210,6 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from batchspec.bench import BenchConfig, format_table, parse_sweep, run_bench, write_results
     from batchspec.loading import load_model
+    from batchspec.precision import resolve_dtype
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     baselines = () if args.baselines.strip() == "none" else tuple(b.strip() for b in args.baselines.split(",")
@@ -224,7 +231,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          baseline_prompts=args.baseline_prompts)
     config.validate()
     target = load_model(args.target)
-    draft = load_model(resolve_draft(args.draft or "default")) if needs_draft else None
+    draft = (load_model(resolve_draft(args.draft or "default"), dtype=resolve_dtype(args.draft_dtype))
+             if needs_draft else None)
     results = run_bench(config, target, draft, progress=sys.stderr.isatty())
     plots = write_results(results, Path(args.out), plots=not args.no_plots) if args.out else []
     if args.json:

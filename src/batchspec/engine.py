@@ -18,6 +18,7 @@ from batchspec import speculative, speculative_step
 from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
 from batchspec.loading import LoadedModel, check_draft_compatible, load_model
+from batchspec.precision import resolve_dtype
 from batchspec.metrics import RunStats, summarize
 from batchspec.request import GenerationOutput, Request, commit_tokens, output_of
 from batchspec.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
@@ -74,9 +75,12 @@ class Engine:
             self.verifier = load_verifier(self.spec.verifier, draft)  # refuses one trained for another draft
 
     @classmethod
-    def from_pretrained(cls, target: str = "default", draft: str | None = None, **kwargs) -> Engine:
+    def from_pretrained(cls, target: str = "default", draft: str | None = None, draft_dtype: str = "auto",
+                        **kwargs) -> Engine:
+        """Load both models by name or path; the draft in `draft_dtype` (`precision.resolve_dtype`)."""
         configure_threads()
-        return cls(load_model(target), load_model(draft) if draft else None, **kwargs)
+        return cls(load_model(target), load_model(draft, dtype=resolve_dtype(draft_dtype)) if draft else None,
+                   **kwargs)
 
     # --- prompts -> requests -------------------------------------------------------------------------------------
 

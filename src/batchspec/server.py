@@ -276,8 +276,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         raise BatchspecError(f"--port must be in 0..65535, got {args.port}")
     draft = args.draft if args.draft is not None or args.policy == "ar" else "default"
-    engine = Engine.from_pretrained(args.target, resolve_draft(draft), spec=spec_config(args),
-                                    max_batch_size=args.max_batch_size, seed=args.seed)
+    engine = Engine.from_pretrained(args.target, resolve_draft(draft), draft_dtype=args.draft_dtype,
+                                    spec=spec_config(args), max_batch_size=args.max_batch_size, seed=args.seed)
     config = ServerConfig(model_name=args.served_model_name or served_model_name(args.target),
                           max_model_len=min(args.max_model_len, engine.context_length), max_queue=args.max_queue,
                           max_body_bytes=args.max_request_bytes, drain_timeout_s=args.shutdown_timeout)

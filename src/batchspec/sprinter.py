@@ -158,6 +158,7 @@ def load_verifier(path: str | Path, draft=None) -> Verifier:
 
 
 def add_sprinter_parser(subparsers) -> argparse.ArgumentParser:
+    from batchspec.precision import DTYPE_CHOICES
     from batchspec.sprinter_data import CollectConfig
     from batchspec.sprinter_train import TrainConfig
 
@@ -169,6 +170,9 @@ def add_sprinter_parser(subparsers) -> argparse.ArgumentParser:
     c = sub.add_parser("collect", help="features and labels of draft tokens on real prompts (never HumanEval)")
     c.add_argument("--target", default=d.target, help="target model: 'default', a GGUF file or an HF directory")
     c.add_argument("--draft", default=d.draft, help="draft model: 'default' (the shipped draft) or a path")
+    c.add_argument("--draft-dtype", default=d.draft_dtype, choices=DTYPE_CHOICES,
+                   help="the draft's float type, as the engine will run it (auto: bfloat16 on CPUs with native "
+                        "bfloat16, else float32)")
     c.add_argument("--prompts", default=d.prompts, help="stdlib (default) | jsonl:PATH | sharegpt:PATH")
     c.add_argument("--num-prompts", type=int, default=d.num_prompts, help=f"prompts ({d.num_prompts})")
     c.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"target answer tokens ({d.max_tokens})")
@@ -215,7 +219,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
     cfg = CollectConfig(target=args.target, draft=resolve_draft(args.draft), prompts=args.prompts,
                         num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                         max_prompt_tokens=args.max_prompt_tokens, shard_size=args.shard_size,
-                        batch_size=args.batch_size, seed=args.seed, val_fraction=args.val_fraction)
+                        batch_size=args.batch_size, seed=args.seed, val_fraction=args.val_fraction,
+                        draft_dtype=args.draft_dtype)
     out = Path(args.out).expanduser()
     summary = run_collect(cfg, out, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty())
     print(f"{summary['positions']} draft positions ({summary['train_positions']} train, {summary['val_positions']} "

@@ -50,6 +50,7 @@ class CollectConfig:
     batch_size: int = 16  # requests the target decodes together
     seed: int = 1000  # distill uses seed 0: other stdlib functions
     val_fraction: float = 0.1
+    draft_dtype: str = "auto"  # as the engine runs the draft (`precision.resolve_dtype`): same features as at use
 
     def validate(self) -> None:
         for name in ("num_prompts", "max_tokens", "max_prompt_tokens", "shard_size", "batch_size"):
@@ -69,7 +70,10 @@ class CollectConfig:
 
 
 def weight_fingerprint(transformer) -> str:
-    """sha256 of every weight tensor as float16 bytes, in a fixed order (independent of the load dtype/layout)."""
+    """sha256 of every weight tensor as bfloat16 bytes, in a fixed order (independent of the load dtype/layout).
+
+    bfloat16, the coarsest type a draft runs in: the same weights loaded in float32 or bfloat16 hash alike.
+    """
     digest = hashlib.sha256()
     tensors = [transformer.embed, transformer.final_norm, transformer.full_head]
     if transformer.head_ids is not None:  # a restricted head changes q, log q and the entropy the verifier reads
@@ -82,7 +86,7 @@ def weight_fingerprint(transformer) -> str:
             continue
         seen.add(id(tensor))
         digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(tensor.detach().to("cpu", torch.float16).contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -230,11 +234,12 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
 
     from batchspec.engine import Engine
     from batchspec.loading import check_draft_compatible, load_model
+    from batchspec.precision import resolve_dtype
     from batchspec.sampling import SamplingParams
 
     cfg.validate()
     old = _previous_meta(out, cfg, resume)
-    target, draft = load_model(cfg.target), load_model(cfg.draft)
+    target, draft = load_model(cfg.target), load_model(cfg.draft, dtype=resolve_dtype(cfg.draft_dtype))
     check_draft_compatible(target, draft)
     limit = min(cfg.max_prompt_tokens, target.config.max_position_embeddings - cfg.max_tokens,
                 draft.config.max_position_embeddings - cfg.max_tokens)

@@ -1,0 +1,30 @@
+"""The draft's float type: `auto` picks bfloat16 only where the CPU computes it natively."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchspec import precision
+from batchspec.errors import BatchspecError
+from batchspec.loading import load_model
+from batchspec.profiling import _profile_key
+
+
+def test_draft_dtype_auto_follows_native_bfloat16(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert precision.resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert precision.resolve_dtype("auto") == torch.float32
+    assert precision.resolve_dtype("bfloat16") == torch.bfloat16
+    assert precision.dtype_name(precision.resolve_dtype("float32")) == "float32"
+    with pytest.raises(BatchspecError, match="unknown draft dtype 'fp8'"):
+        precision.resolve_dtype("fp8")
+
+
+def test_step_time_profile_key_names_the_draft_dtype(tiny_model_factory):
+    # dsd's cached T(B, k) must not be reused across draft dtypes: their step times differ.
+    target = load_model(tiny_model_factory(name="target", seed=0)).transformer
+    path = tiny_model_factory(name="draft", seed=1, hidden_size=32, intermediate_size=64)
+    fp32, bf16 = (load_model(path, dtype=d).transformer for d in (torch.float32, torch.bfloat16))
+    assert _profile_key(target, fp32, 4, 4) != _profile_key(target, bf16, 4, 4)
