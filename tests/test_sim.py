@@ -222,7 +222,8 @@ def test_record_and_replay_tiny_models(tmp_path, tiny_model_factory):
     assert main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", f"jsonl:{prompts}",
                  "--num-prompts", "3", "--batch-size", "2", "--policies", "sd,tetris", "-k", "2", "--extra", "1",
                  "--max-tokens", "8", "--record-trace", str(path), "--baselines", "none",
-                 "--json"]) == 0  # implies --measure-oracle
+                 "--sweep", "batch_size=2,3", "--json"]) == 0  # implies --measure-oracle
+    # The trace is the first sweep point's (batch 2), and so are the measured runs stored beside it.
     trace = load_trace(path)
     assert trace.meta["policy"] == "tetris" and trace.meta["k"] == 2 and trace.max_width == 3
     assert trace.num_requests == 3 and (trace.position >= 1).all() and (trace.output_len <= 8).all()

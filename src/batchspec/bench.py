@@ -245,8 +245,9 @@ def _save_trace(recorder, requests, results: dict) -> None:
 
     config = results["config"]
     policy = trace_policy(config["policies"])
+    # The trace holds the first sweep point's drafts: the measured runs beside it are that point's too.
     first = {r["policy"]: {k: v for k, v in r.items() if k != "window_history"} for r in results["runs"]
-             if r["trial"] == 0}
+             if r["trial"] == 0 and r["point"] == 0}
     meta = {**{k: v for k, v in config.items() if k not in ("spec", "policies", "trials")}, **config["spec"],
             "policy": policy, "run": first[policy], "bench_runs": first}
     save_trace(recorder.to_trace(requests, meta), config["record_trace"])
