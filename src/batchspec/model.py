@@ -229,7 +229,14 @@ class Transformer:
         # Query (b, i) at absolute position starts[b] + i sees keys 0..starts[b] + i of its own slot.
         query_pos = starts[:, None] + torch.arange(n_max)[None, :]  # (B, n_max)
         mask = torch.arange(kv_len)[None, None, :] <= query_pos[:, :, None]  # (B, n_max, kv_len)
-        contiguous = bool((slots == torch.arange(int(slots[0]), int(slots[0]) + batch)).all())
+        # Attention reads the slots' keys in place over the span [lo, hi) of cache slots when holes in it (slots of
+        # other requests, or free) cost less to read than copying the batch's keys would (a gather reads and
+        # writes them, then SDPA reads the copy); rows of the span outside the batch get zero queries and are
+        # dropped. Each row's attention is computed alone, so the result does not depend on the path.
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        in_place = hi - lo <= 2 * batch
+        rows_in_span = slots - lo  # (B,)
+        spread = in_place and not (hi - lo == batch and bool((rows_in_span == torch.arange(batch)).all()))
 
         dev = self.device
         positions_d, slot_of_d = positions.to(dev), slot_of.to(dev)
@@ -240,7 +247,13 @@ class Transformer:
         mask = mask[:, None, None].expand(batch, 1, groups, n_max, kv_len).reshape(batch, 1, groups * n_max, kv_len)
         # Additive (0 / -inf) once per forward: SDPA would convert a boolean mask in every layer (same result,
         # bit for bit; ~10 % of the attention time at batch 16).
-        mask = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, -math.inf).to(dev)
+        mask = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, -math.inf)
+        if spread:
+            span_mask = torch.zeros(hi - lo, 1, groups * n_max, kv_len, dtype=self.dtype)  # holes: any finite row
+            span_mask[rows_in_span] = mask
+            mask = span_mask
+        mask = mask.to(dev)
+        span_rows_d = rows_in_span.to(dev)
         if not decode:
             row_d, offset_d = row.to(dev), offset.to(dev)
 
@@ -257,10 +270,9 @@ class Transformer:
             cache_k, cache_v = cache.k[index], cache.v[index]  # (S, KV, max_len, D)
             cache_k[slot_of_d, :, positions_d] = k  # advanced indices around a slice: (T, KV, D) ← k
             cache_v[slot_of_d, :, positions_d] = v
-            if contiguous:
-                first = int(slots[0])
-                keys = cache_k[first:first + batch, :, :kv_len]  # (B, KV, L, D), a view
-                values = cache_v[first:first + batch, :, :kv_len]
+            if in_place:
+                keys = cache_k[lo:hi, :, :kv_len]  # (span, KV, L, D), a view
+                values = cache_v[lo:hi, :, :kv_len]
             else:
                 slots_d = slots.to(dev)
                 keys, values = cache_k[slots_d, :, :kv_len], cache_v[slots_d, :, :kv_len]
@@ -272,7 +284,12 @@ class Transformer:
             # (B, n, KV*G, D) -> (B, KV, G*n, D): head h = kv*G + g, as transformers' repeat_kv orders them.
             q_grouped = (q_pad.view(batch, n_max, c.num_kv_heads, groups, c.head_dim)
                          .permute(0, 2, 3, 1, 4).reshape(batch, c.num_kv_heads, groups * n_max, c.head_dim))
-            attn = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=mask)  # (B, KV, G*n, D)
+            if spread:  # the batch's queries at their slots' rows of the span
+                q_span = q_grouped.new_zeros(hi - lo, *q_grouped.shape[1:])
+                q_span[span_rows_d] = q_grouped
+                attn = F.scaled_dot_product_attention(q_span, keys, values, attn_mask=mask)[span_rows_d]
+            else:
+                attn = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=mask)  # (B, KV, G*n, D)
             attn = (attn.view(batch, c.num_kv_heads, groups, n_max, c.head_dim)
                     .permute(0, 3, 1, 2, 4).reshape(batch, n_max, q_size))  # (B, n, H*D)
             attn = attn.view(batch, q_size) if decode else attn[row_d, offset_d]  # (T, H*D)
