@@ -1,7 +1,7 @@
 """Preallocated KV cache with one slot per request and per-slot lengths.
 
 Layout per layer: `(slots, kv_heads, max_len, head_dim)` — a slot's keys are a contiguous `(kv_heads, len, head_dim)`
-block, which is the layout SDPA takes, so a contiguous run of slots is attended to without a copy.
+block, which is the layout SDPA takes, so a run of slots (or a span with a few holes) is attended to in place.
 
 Speculative decoding writes drafts it may reject: rollback is `truncate(slot, n)`, i.e. setting the length back
 (O(1)); stale entries past the length are never attended to because attention masks by length. Requests join
