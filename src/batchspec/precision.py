@@ -22,16 +22,22 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo name
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags Linux reports (empty where /proc/cpuinfo is absent or unreadable)."""
+def cpuinfo_field(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo ('model name', 'flags'); '' where absent or unreadable."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+        name, _, value = line.partition(":")
+        if name.strip() == key:
+            return value.strip()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags Linux reports (empty where /proc/cpuinfo is absent or unreadable)."""
+    return frozenset(cpuinfo_field("flags").split())
 
 
 def native_bf16() -> bool:
@@ -39,12 +45,8 @@ def native_bf16() -> bool:
     return bool(NATIVE_BF16_FLAGS & cpu_flags())
 
 
-def resolve_dtype(choice: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(choice: str) -> torch.dtype:
     """`auto` -> bfloat16 on CPUs with native bfloat16, else float32; `float32` / `bfloat16` as named."""
-    if isinstance(choice, torch.dtype):
-        if choice not in DTYPES.values():
-            raise BatchspecError(f"unsupported draft dtype {choice}; use one of {', '.join(DTYPE_CHOICES)}")
-        return choice
     if choice == "auto":
         return torch.bfloat16 if native_bf16() else torch.float32
     try:

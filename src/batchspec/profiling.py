@@ -13,11 +13,11 @@ import platform
 import statistics
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from batchspec.model import Transformer
+from batchspec.precision import cpuinfo_field
 from batchspec.selection import StepTimeModel
 
 
@@ -45,15 +45,7 @@ def machine_description() -> str:
     measurements so far), and tokens/s and the dsd step-time fit depend on it, so results and profiles name it.
     `platform.processor()` is empty on Linux; /proc/cpuinfo's model name is not.
     """
-    name = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.partition(":")[2].strip()
-                break
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
+    name = cpuinfo_field("model name") or platform.processor() or platform.machine()
     return f"{name} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads"
 
 
