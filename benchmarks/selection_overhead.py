@@ -16,7 +16,8 @@ import torch
 
 from batchspec import configure_threads
 from batchspec.profiling import machine_description
-from batchspec.selection import oracle_windows, sd_windows, tetris_windows
+from batchspec.selection import sd_windows
+from batchspec.tetris import oracle_windows, tetris_windows
 
 
 def median_us(fn, repeats: int) -> float:

@@ -12,7 +12,7 @@ from batchspec.errors import BatchspecError
 from batchspec.loading import LoadedModel, load_model
 from batchspec.model import Transformer
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
-from batchspec.selection import StepTimeModel
+from batchspec.dsd import StepTimeModel
 from batchspec.speculative import SpecConfig
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import batchspec.verification as verification
-from batchspec.selection import expected_accepted
+from batchspec.tetris import expected_accepted
 from batchspec.verification import (
     acceptance_probs,
     greedy_acceptance_probs,

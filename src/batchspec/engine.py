@@ -23,7 +23,7 @@ from batchspec.metrics import RunStats, summarize
 from batchspec.request import GenerationOutput, Request, commit_tokens, output_of
 from batchspec.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
 from batchspec.scheduler import Scheduler
-from batchspec.selection import AcceptanceEMA, StepTimeModel
+from batchspec.dsd import AcceptanceEMA, StepTimeModel
 from batchspec.speculative import SpecConfig
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]

@@ -18,7 +18,7 @@ import torch
 
 from batchspec.model import Transformer
 from batchspec.precision import cpuinfo_field
-from batchspec.selection import StepTimeModel
+from batchspec.dsd import StepTimeModel
 
 
 def _time_forward(model: Transformer, batch: int, tokens_each: int, repeats: int = 2) -> float:

@@ -2,7 +2,8 @@
 
 The batch loop mirrors `Engine.generate`: requests wait, are admitted into free slots (a prefill iteration), and every
 other iteration is one speculative step over the active ones: propose K' drafts, select windows with the real policy
-functions of selection.py, verify (acceptance drawn from the recorded a[i,j]), commit, retire finished requests.
+functions (selection.py, tetris.py, dsd.py), verify (acceptance drawn from the recorded a[i,j]), commit, retire
+finished requests.
 Time comes from a cost model instead of a clock. Sequential pipeline: a step costs K' draft forwards + the target
 forward + selection; parallel pipeline (the next step's drafting overlaps this step's verification):
 max(drafting, target) + selection.
@@ -24,8 +25,9 @@ import torch
 from batchspec.cost_model import DraftRatioCostModel, draft_target_ratio
 from batchspec.errors import BatchspecError
 from batchspec.metrics import RunStats, summarize
-from batchspec.selection import (AcceptanceEMA, draft_length, dsd_choose_k, expected_accepted, oracle_windows,
-                                 select_windows)
+from batchspec.dsd import AcceptanceEMA, dsd_choose_k
+from batchspec.selection import draft_length, select_windows
+from batchspec.tetris import expected_accepted, oracle_windows
 from batchspec.trace import Timelines, build_timelines
 
 SIM_POLICIES = ("sd", "dsd", "tetris", "oracle")

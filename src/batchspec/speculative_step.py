@@ -1,7 +1,7 @@
 """The engine's speculative step: propose (draft) -> select (policy) -> verify (target) -> commit, with its counters.
 
 `Engine.run_step` calls `run` for every step of a speculative policy. The stages themselves are in
-`speculative.py` (draft and target passes), `selection.py` (sd, dsd, Tetris, oracle windows) and
+`speculative.py` (draft and target passes), `selection.py` (dispatch to sd, `dsd.py`, `tetris.py`) and
 `verification.py` (rejection sampling); this module wires them to the engine's caches, requests and `RunStats`.
 """
 
@@ -16,7 +16,9 @@ from batchspec import speculative
 from batchspec.kv_cache import KVCache
 from batchspec.request import Request
 from batchspec.sampling import params_tensors
-from batchspec.selection import draft_length, dsd_choose_k, expected_accepted, oracle_windows, select_windows
+from batchspec.dsd import dsd_choose_k
+from batchspec.selection import draft_length, select_windows
+from batchspec.tetris import expected_accepted, oracle_windows
 from batchspec.verification import acceptance_probs, greedy_acceptance_probs, verify, verify_greedy
 
 if TYPE_CHECKING:

@@ -1,0 +1,41 @@
+"""DSD: goodput-chosen k, the step-time model's fit, the acceptance EMA."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchspec.dsd import AcceptanceEMA, StepTimeModel, dsd_choose_k, expected_tokens_per_request
+from batchspec.errors import BatchspecError
+
+
+def test_dsd_choose_k_on_hand_made_step_time() -> None:
+    def step_time(batch_size: int, k: int) -> float:
+        return 1.0 + 0.3 * k  # goodput with alpha 0.8: 1.0, 1.385, 1.525, 1.554, 1.528, ... -> k = 3
+
+    assert dsd_choose_k(0.8, 4, 8, step_time) == 3
+    assert dsd_choose_k(0.8, 4, 2, step_time) == 2  # capped by k_max
+    assert dsd_choose_k(0.0, 4, 8, step_time) == 0  # nothing is ever accepted
+    assert dsd_choose_k(1.0, 4, 8, step_time) == 8  # everything accepted: (k+1)/(1+0.3k) grows
+    assert expected_tokens_per_request(1.0, 4) == 5.0
+    assert expected_tokens_per_request(1.0 - 1e-12, 4) == 5.0
+    with pytest.raises(BatchspecError, match="non-positive"):
+        dsd_choose_k(0.5, 4, 3, lambda b, k: 0.0)
+
+
+def test_step_time_model_fit_recovers_coefficients() -> None:
+    truth = StepTimeModel(c_fixed=0.02, c_draft_step=0.004, c_draft_token=0.0003, c_target_token=0.0011)
+    samples = [(b, k, truth(b, k)) for b in (1, 2, 4, 8, 16) for k in range(6)]
+    fitted = StepTimeModel.fit(samples)
+    for name in ("c_fixed", "c_draft_step", "c_draft_token", "c_target_token"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-8, abs=1e-12)
+    assert fitted(32, 7) == pytest.approx(truth(32, 7), rel=1e-8)
+    with pytest.raises(BatchspecError, match="at least 4"):
+        StepTimeModel.fit(samples[:3])
+
+
+def test_acceptance_ema() -> None:
+    ema = AcceptanceEMA()
+    assert ema.value == 0.7
+    updated = ema.update(0.3)
+    assert updated.value == pytest.approx(0.85 * 0.7 + 0.15 * 0.3)
+    assert ema.value == 0.7  # immutable: state is passed explicitly
