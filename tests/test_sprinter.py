@@ -159,6 +159,10 @@ def test_resume_skips_finished_shards(pair, collected, tmp_path, monkeypatch):
     (out / "meta.json").write_text(json.dumps({**meta, "draft": {**meta["draft"], "fingerprint": "retrained"}}))
     with pytest.raises(BatchspecError, match="another draft model"):
         run_collect(tiny_config(target, draft), out, resume=True, prompts=PROMPTS)
+    assert meta["draft_dtype"] in ("float32", "bfloat16")  # what `auto` resolved to on this machine
+    (out / "meta.json").write_text(json.dumps({**meta, "draft_dtype": "float16"}))  # as if another machine's auto
+    with pytest.raises(BatchspecError, match="collected in float16: pass --draft-dtype float16"):
+        run_collect(tiny_config(target, draft), out, resume=True, prompts=PROMPTS)
     (out / "meta.json").write_text(json.dumps(meta))
     calls = []
     real = sprinter_data.shard_records

@@ -234,7 +234,7 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
 
     from batchspec.engine import Engine
     from batchspec.loading import check_draft_compatible, load_model
-    from batchspec.precision import resolve_dtype
+    from batchspec.precision import dtype_name, resolve_dtype
     from batchspec.sampling import SamplingParams
 
     cfg.validate()
@@ -251,14 +251,18 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
     if len(texts) < cfg.num_prompts:
         raise BatchspecError(f"only {len(texts)} prompts of at most {limit} tokens available, "
                              f"{cfg.num_prompts} requested")
+    # `auto` resolves per machine (`precision.resolve_dtype`): record what the features were computed in.
     meta = {"format": DATA_FORMAT, "config": asdict(cfg), "draft": model_identity(draft),
-            "target": model_identity(target),
+            "draft_dtype": dtype_name(draft.transformer.dtype), "target": model_identity(target),
             "prompt_source": cfg.prompts if prompts is None else "given by the caller",
             "val_prompts": validation_prompts(cfg.num_prompts, cfg.val_fraction, cfg.seed),
             "approximation": "one-token-ahead: every draft proposal follows the target's own greedy prefix"}
     for role in ("draft", "target"):
         if old is not None and old.get(role, {}).get("fingerprint") != meta[role]["fingerprint"]:
             raise BatchspecError(f"--resume with another {role} model than the data in {out} was collected with")
+    if old is not None and old.get("draft_dtype", meta["draft_dtype"]) != meta["draft_dtype"]:
+        raise BatchspecError(f"--resume would compute the draft's features in {meta['draft_dtype']}, but the data in "
+                             f"{out} was collected in {old['draft_dtype']}: pass --draft-dtype {old['draft_dtype']}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
