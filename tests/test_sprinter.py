@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import batchspec.sprinter_data as sprinter_data
 from batchspec.cli import main
 from batchspec.errors import BatchspecError
 from batchspec.loading import TOKENIZER_FILES, load_model
-from batchspec.sprinter import load_verifier, save_verifier, verifier_probs
-from batchspec.sprinter_train import (TrainConfig, auroc, best_accuracy_threshold, rates, threshold_matching_fn,
-                                      train_verifier)
+from batchspec.sprinter import Verifier, calibrated_log_probs, load_verifier, save_verifier, verifier_probs
+from batchspec.sprinter_train import (TrainConfig, auroc, balance_weight, best_accuracy_threshold, fit, rates,
+                                      threshold_matching_fn, train_verifier)
 from batchspec.sprinter_data import CollectConfig, load_data, run_collect, token_features, validation_prompts
 from conftest import make_tiny_model
 
@@ -131,6 +133,7 @@ def test_mlp_hidden_only_and_confidence_only_verifiers(collected, tmp_path):
         assert torch.allclose(verifier_probs(loaded, rows["hidden"], rows["logq"], rows["entropy"]),
                               verifier_probs(verifier, rows["hidden"], rows["logq"], rows["entropy"]))
         assert len(loaded.layers) == (2 if cfg.mlp_hidden else 1) and loaded.label == cfg.label
+        assert loaded.balance_shift == pytest.approx(verifier.balance_shift) and verifier.balance_shift != 0.0
 
 
 def test_verifier_for_another_draft_is_refused(pair, collected, tmp_path, default_model_dir):
@@ -236,3 +239,26 @@ def test_bad_files_and_options_are_clear_errors(collected, tmp_path, capsys):
     assert main(["sprinter", "eval", str(tmp_path / "missing"), "--verifier", str(verifier_dir)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_logistic_fit_reaches_the_balanced_optimum_and_calibrates():
+    # Synthetic logistic data (a pure-function test): y ~ Bernoulli(sigmoid(2 x0 - x1 + 0.7)), ~2/3 positives.
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, 2, generator=generator)
+    y = (torch.rand(20000, generator=generator) < torch.sigmoid(2 * x[:, 0] - x[:, 1] + 0.7)).float()
+    [(weight, bias)] = fit(x, y, TrainConfig(weight_decay=0.0))
+    # Balancing multiplies the odds by w = negatives / positives: same slopes, intercept shifted by log w.
+    shift = math.log(balance_weight(y))
+    assert weight[0].tolist() == pytest.approx([2.0, -1.0], abs=0.08)
+    assert float(bias[0]) == pytest.approx(0.7 + shift, abs=0.08)
+    # Converged: the balanced loss is stationary there.
+    w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    F.binary_cross_entropy_with_logits(x @ w[0] + b, y, pos_weight=torch.tensor(balance_weight(y))).backward()
+    assert float(torch.cat([w.grad.flatten(), b.grad]).abs().max()) < 1e-4
+    # Prior correction: the calibrated probabilities average to the positive rate; tau = 0.5 stays balanced.
+    verifier = Verifier("logq+entropy", "greedy", 0.5, torch.zeros(2), torch.ones(2), [(weight, bias)],
+                        {"hidden_size": 1}, balance_shift=shift)
+    probs = verifier_probs(verifier, torch.zeros(len(y), 1), x[:, 0], x[:, 1])
+    assert float(calibrated_log_probs(verifier, probs).exp().mean()) == pytest.approx(float(y.mean()), abs=0.01)
+    unshifted = Verifier(**{**verifier.__dict__, "balance_shift": 0.0})
+    assert torch.allclose(calibrated_log_probs(unshifted, probs), probs.log(), atol=1e-6)

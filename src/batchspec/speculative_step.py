@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchspec import speculative
+from batchspec.dsd import dsd_choose_k
 from batchspec.kv_cache import KVCache
 from batchspec.request import Request
 from batchspec.sampling import params_tensors
-from batchspec.dsd import dsd_choose_k
 from batchspec.selection import draft_length, select_windows
+from batchspec.sprinter import calibrated_log_probs
 from batchspec.tetris import expected_accepted, oracle_windows
 from batchspec.verification import acceptance_probs, greedy_acceptance_probs, verify, verify_greedy
 
@@ -68,8 +69,10 @@ def run(engine: Engine, target_cache: KVCache, draft_cache: KVCache, active: lis
     if sprinter:  # the verifier already chose: each block ends at its first rejected draft (or at L)
         windows = proposal.blocks
     else:
-        # Tetris may rank by the verifier's learned P(accept) instead of q: still draft-side only, lossless.
-        scores = proposal.verifier_probs.clamp_min(1e-12).log() if scored_tetris else proposal.logprobs
+        # Tetris may rank by the verifier's learned P(accept) instead of q (calibrated: class balancing undone):
+        # still draft-side only, lossless.
+        scores = (calibrated_log_probs(engine.verifier, proposal.verifier_probs) if scored_tetris
+                  else proposal.logprobs)
         windows = select_windows(spec.policy, draft_logprobs=scores, k=k, capacity=capacity,
                                  turn_on_batch_size=spec.turn_on_batch_size, accept_probs=accept_probs)
     stats.select_s += time.perf_counter() - started

@@ -48,6 +48,9 @@ class Verifier:
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # [(weight (out, in), bias (out,))], ReLU between, last out = 1
     draft: dict  # identity of the draft it was trained for: hidden_size, config, fingerprint, ...
     meta: dict = field(default_factory=dict)  # metrics, training settings, the data it came from
+    # log of the weight class balancing gave the positives (negatives / positives): balancing scales the fitted odds
+    # by it, so logit - balance_shift is the calibrated logit of P(accept) (prior correction; 0: none recorded).
+    balance_shift: float = 0.0
 
     @property
     def hidden_size(self) -> int:
@@ -88,6 +91,16 @@ def verifier_probs(verifier: Verifier, hidden: torch.Tensor, logq: torch.Tensor,
         return torch.sigmoid(mlp_logits(layers, (x - verifier.mean.to(dev)) / verifier.std.to(dev)))
 
 
+def calibrated_log_probs(verifier: Verifier, probs: torch.Tensor) -> torch.Tensor:
+    """log P(accept) from `verifier_probs`, undoing class balancing: log sigmoid(logit - balance_shift). (N,) -> (N,).
+
+    The class-balanced probabilities are what tau thresholds (0.5 = the balanced decision); ranking by acceptance
+    probability (Tetris scored by the verifier) wants the calibrated ones.
+    """
+    eps = torch.finfo(probs.dtype).eps
+    return F.logsigmoid(torch.logit(probs, eps=eps) - verifier.balance_shift)
+
+
 def check_verifier_draft(verifier: Verifier, draft) -> None:
     """Refuse a verifier trained for another draft (hidden size, then weights)."""
     if draft.config.hidden_size != verifier.hidden_size:
@@ -111,8 +124,8 @@ def save_verifier(verifier: Verifier, out: Path) -> Path:
         tensors[f"layers.{i}.weight"], tensors[f"layers.{i}.bias"] = weight, bias
     save_file({k: v.float().contiguous() for k, v in tensors.items()}, out / "verifier.safetensors")
     info = {"format": VERIFIER_FORMAT, "feature_set": verifier.feature_set, "label": verifier.label,
-            "threshold": verifier.threshold, "num_layers": len(verifier.layers), "draft": verifier.draft,
-            **verifier.meta}
+            "threshold": verifier.threshold, "num_layers": len(verifier.layers),
+            "balance_shift": verifier.balance_shift, "draft": verifier.draft, **verifier.meta}
     (out / "verifier.json").write_text(json.dumps(info, indent=2) + "\n")
     return out
 
@@ -140,7 +153,8 @@ def load_verifier(path: str | Path, draft=None) -> Verifier:
         layers = [(tensors[f"layers.{i}.weight"], tensors[f"layers.{i}.bias"]) for i in range(info["num_layers"])]
         verifier = Verifier(info["feature_set"], info["label"], float(info["threshold"]), tensors["mean"],
                             tensors["std"], layers, info["draft"],
-                            {k: v for k, v in info.items() if k in ("train", "target", "metrics")})
+                            {k: v for k, v in info.items() if k in ("train", "target", "metrics")},
+                            float(info.get("balance_shift", 0.0)))
         width = (0 if verifier.feature_set == "logq+entropy" else verifier.hidden_size) + \
             FEATURE_WIDTH_EXTRA[verifier.feature_set]
     except KeyError as bad:
@@ -196,8 +210,10 @@ def add_sprinter_parser(subparsers) -> argparse.ArgumentParser:
     tr.add_argument("--features", default=t.features, choices=FEATURE_SETS, help=f"feature set ({t.features})")
     tr.add_argument("--mlp", type=int, default=t.mlp_hidden, help="hidden units of a tiny MLP (0: logistic)")
     tr.add_argument("--threshold", type=float, default=t.threshold, help=f"accept iff prob >= tau ({t.threshold})")
-    tr.add_argument("--epochs", type=int, default=t.epochs, help=f"passes over the data ({t.epochs})")
-    tr.add_argument("--lr", type=float, default=t.lr, help=f"AdamW learning rate ({t.lr})")
+    tr.add_argument("--epochs", type=int, default=t.epochs, help=f"MLP: passes over the data ({t.epochs})")
+    tr.add_argument("--lr", type=float, default=t.lr, help=f"MLP: AdamW learning rate ({t.lr})")
+    tr.add_argument("--l2", type=float, default=t.weight_decay,
+                    help=f"L2 penalty of the logistic fit / the MLP's AdamW weight decay ({t.weight_decay})")
     tr.add_argument("--seed", type=int, default=t.seed, help=f"random seed ({t.seed})")
     tr.add_argument("--json", action="store_true", help="print the metrics as JSON")
     tr.set_defaults(run=cmd_train)
@@ -234,7 +250,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from batchspec.sprinter_train import TrainConfig, format_metrics, train_verifier
 
     cfg = TrainConfig(label=args.label, features=args.features, mlp_hidden=args.mlp, threshold=args.threshold,
-                      epochs=args.epochs, lr=args.lr, seed=args.seed)
+                      epochs=args.epochs, lr=args.lr, weight_decay=args.l2, seed=args.seed)
     cfg.validate()
     verifier = train_verifier(load_data(args.data), cfg)
     out = save_verifier(verifier, Path(args.out).expanduser())

@@ -1,7 +1,9 @@
 """Training and evaluating SPRINTER's verifier (`batchspec sprinter train` / `eval`): pure metrics, the fit.
 
-The loss is class-balanced BCE (pos_weight = negatives / positives), AdamW on minibatches over standardised
-features, on the training prompts of a `sprinter collect` directory. Reported on its validation prompts: accuracy,
+The loss is class-balanced BCE (pos_weight = negatives / positives) on standardised features, over the training
+prompts of a `sprinter collect` directory: logistic regression is fitted to convergence (full-batch L-BFGS, L2
+penalty; the problem is convex), the optional MLP by AdamW on minibatches. Balancing scales the fitted odds by
+pos_weight; the verifier records log(pos_weight) so that Tetris can rank by the calibrated probability. Reported on its validation prompts: accuracy,
 AUROC (rank-based, ties averaged), eta_FP = P(accept | y = 0) — costs fidelity, see sprinter_theory — and
 eta_FN = P(reject | y = 1) — costs speed — beside a baseline that thresholds log q alone.
 """
@@ -79,7 +81,7 @@ class TrainConfig:
     threshold: float = 0.5
     epochs: int = 30
     lr: float = 3e-3
-    weight_decay: float = 1e-4
+    weight_decay: float = 1e-3  # logistic: L2 penalty on the weights; MLP: AdamW's decoupled weight decay
     batch_size: int = 1024
     seed: int = 0
 
@@ -88,8 +90,8 @@ class TrainConfig:
             raise BatchspecError(f"unknown --label {self.label!r}: use one of {', '.join(LABELS)}")
         if self.features not in FEATURE_SETS:
             raise BatchspecError(f"unknown --features {self.features!r}: use one of {', '.join(FEATURE_SETS)}")
-        if self.mlp_hidden < 0 or self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
-            raise BatchspecError("--mlp must be >= 0, --epochs >= 1, --lr > 0")
+        if self.mlp_hidden < 0 or self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or self.weight_decay < 0:
+            raise BatchspecError("--mlp must be >= 0, --epochs >= 1, --lr > 0, --l2 >= 0")
         if not 0.0 < self.threshold < 1.0:
             raise BatchspecError(f"--threshold must be in (0, 1), got {self.threshold}")
 
@@ -99,17 +101,28 @@ def split_xy(rows: dict[str, torch.Tensor], feature_set: str, label: str) -> tup
     return x, rows[f"y_{label}"].float()  # (N,)
 
 
+def balance_weight(y: torch.Tensor) -> float:
+    """negatives / positives: the weight that gives both classes the same total weight in the loss."""
+    n_pos = float(y.sum())
+    return (len(y) - n_pos) / max(n_pos, 1.0)
+
+
 def fit(x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Class-balanced BCE, AdamW on minibatches; x (N, F) standardised, y (N,) in {0, 1}. Returns the layers."""
-    generator = torch.Generator().manual_seed(cfg.seed)
+    """Class-balanced BCE; x (N, F) standardised, y (N,) in {0, 1}. Returns the layers.
+
+    Logistic regression: full-batch L-BFGS with a strong-Wolfe line search until the gradient vanishes (a few
+    hundred iterations at most), plus `weight_decay` * ||w||^2. The MLP: AdamW on seeded minibatches.
+    """
     sizes = [x.shape[1]] + ([cfg.mlp_hidden] if cfg.mlp_hidden else []) + [1]
     with torch.random.fork_rng(devices=[]):  # a seeded initialisation that leaves the global generator alone
         torch.manual_seed(cfg.seed)
         modules = [torch.nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:])]
+    pos_weight = torch.tensor(balance_weight(y))
+    if not cfg.mlp_hidden:
+        return _fit_logistic(modules[0], x, y, pos_weight, cfg.weight_decay)
+    generator = torch.Generator().manual_seed(cfg.seed)
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    n_pos = float(y.sum())
-    pos_weight = torch.tensor((len(y) - n_pos) / max(n_pos, 1.0))  # balances the classes' total weight
     steps = cfg.epochs * math.ceil(len(y) / cfg.batch_size)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     for _ in range(cfg.epochs):
@@ -121,6 +134,25 @@ def fit(x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) -> list[tuple[torch.
             optimizer.step()
             scheduler.step()
     return [(m.weight.detach().clone(), m.bias.detach().clone()) for m in modules]
+
+
+def _fit_logistic(linear: torch.nn.Linear, x: torch.Tensor, y: torch.Tensor, pos_weight: torch.Tensor,
+                  l2: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    with torch.no_grad():
+        linear.weight.zero_()
+        linear.bias.zero_()
+    optimizer = torch.optim.LBFGS(linear.parameters(), lr=1.0, max_iter=500, history_size=20,
+                                  tolerance_grad=1e-7, tolerance_change=1e-10, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        logits = linear(x)[:, 0]
+        loss = F.binary_cross_entropy_with_logits(logits, y, pos_weight=pos_weight) + l2 * linear.weight.square().sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return [(linear.weight.detach().clone(), linear.bias.detach().clone())]
 
 
 def evaluate(verifier: Verifier, rows: dict[str, torch.Tensor], train_rows: dict[str, torch.Tensor] | None = None
@@ -154,7 +186,8 @@ def train_verifier(data: SprinterData, cfg: TrainConfig) -> Verifier:
                              f"{int(y.sum())} with y_{cfg.label} = 1")
     mean, std = x.mean(0), x.std(0).clamp_min(1e-6)  # (F,)
     layers = fit((x - mean) / std, y, cfg)
-    verifier = Verifier(cfg.features, cfg.label, cfg.threshold, mean, std, layers, data.meta["draft"])
+    verifier = Verifier(cfg.features, cfg.label, cfg.threshold, mean, std, layers, data.meta["draft"],
+                        balance_shift=math.log(balance_weight(y)))
     verifier.meta = {"train": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                      "target": data.meta.get("target", {}).get("name"),
                      "metrics": {"train": evaluate(verifier, train_rows)}}
