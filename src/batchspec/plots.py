@@ -15,7 +15,7 @@ SWEEP_AXES = ("batch_size", "k", "extra", "capacity")
 AXIS_LABELS = {"tau": "sprinter threshold tau (verifier probability)",
                "batch_size": "batch size B (requests)", "k": "window k (draft tokens)",
                "extra": "extra draft tokens (K' - k)", "capacity": "capacity C (draft tokens verified per step)",
-               "tetris_scores": "what Tetris ranks drafts by (q: draft probability; verifier: learned P(accept))"}
+               "tetris_scores": "Tetris ranks by: q or\nthe verifier's calibrated P(accept)"}
 
 
 def _pyplot():
@@ -54,21 +54,23 @@ def plot_throughput(results: dict, path: Path) -> Path:
     runs = [r for r in results["runs"] if r.get("point", 0) == 0]  # the first sweep point
     policies = [p for p in _policies(results) if any(r["policy"] == p for r in runs)]
     values = [[r["tokens_per_s"] for r in runs if r["policy"] == p] for p in policies]
+    colors = [_color(p) for p in policies]
     for baseline in results.get("baselines", []):  # transformers rows, one measurement each
-        policies.append(f"{baseline['policy']}\n(B={baseline['batch_size']})")
+        kind = "assisted" if "assisted" in baseline["policy"] else "generate"
+        policies.append(f"transformers\n{kind}\nB={baseline['batch_size']}")
         values.append([baseline["tokens_per_s"]])
+        colors.append("0.6")
     medians = [statistics.median(v) for v in values]
-    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(policies)), 4))
+    fig, ax = plt.subplots(figsize=(max(7, 1.25 * len(policies)), 4))  # ~1.2 in per label: no overlap
     low = [m - min(v) for m, v in zip(medians, values)]
     high = [max(v) - m for m, v in zip(medians, values)]
-    bars = ax.bar(policies, medians, yerr=[low, high], capsize=4,
-                  color=[_color(p) if not p.startswith("hf_") else "0.6" for p in policies])
+    bars = ax.bar(policies, medians, yerr=[low, high], capsize=4, color=colors)
     for bar, value in zip(bars, medians):
         ax.annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
                     xytext=(0, 3), textcoords="offset points", fontsize=8)
     ax.set_ylabel("throughput (output tokens / s)")
     ax.set_xlabel("policy (median over trials; whiskers: min..max); grey: transformers baselines")
-    if len(policies) > 5:
+    if len(policies) > 8:
         ax.tick_params(axis="x", labelrotation=25)
         for label in ax.get_xticklabels():
             label.set_horizontalalignment("right")
