@@ -3,9 +3,10 @@
 The loss is class-balanced BCE (pos_weight = negatives / positives) on standardised features, over the training
 prompts of a `sprinter collect` directory: logistic regression is fitted to convergence (full-batch L-BFGS, L2
 penalty; the problem is convex), the optional MLP by AdamW on minibatches. Balancing scales the fitted odds by
-pos_weight; the verifier records log(pos_weight) so that Tetris can rank by the calibrated probability. Reported on its validation prompts: accuracy,
-AUROC (rank-based, ties averaged), eta_FP = P(accept | y = 0) — costs fidelity, see sprinter_theory — and
-eta_FN = P(reject | y = 1) — costs speed — beside a baseline that thresholds log q alone.
+pos_weight; the verifier records log(pos_weight) so that Tetris can rank by the calibrated probability. Reported on
+its validation prompts: accuracy, AUROC (rank-based, ties averaged), eta_FP = P(accept | y = 0) — costs
+fidelity, see sprinter_theory — and eta_FN = P(reject | y = 1) — costs speed — beside a baseline that thresholds
+log q alone.
 """
 
 from __future__ import annotations
