@@ -1,12 +1,15 @@
 """The native runtime reproduces transformers' logits (fp32 rounding: max |diff| <= 1e-4, or 1e-5 of the largest
-logit), also on ragged batches."""
+logit), also on ragged batches, with either library under its float32 linear layers (`batchspec.linear`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from batchspec.linear import BACKENDS, onednn_available
 from batchspec.loading import load_transformer
+
+LINEAR_BACKENDS = [b for b in BACKENDS if b != "onednn" or onednn_available()]
 
 
 def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -53,12 +56,18 @@ def check_ragged(model, ids_a: list[int], ids_b: list[int], ref_a: torch.Tensor,
     assert cache.lengths[slot_a] == len(ids_a) and cache.lengths[slot_b] == len(ids_b)
 
 
-def test_default_model_matches_transformers(default_model, default_model_dir):
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_default_model_matches_transformers(default_model, default_model_dir, backend):
     tok = default_model.tokenizer
     ids_a = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     ids_b = tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     ref_a, ref_b = hf_logits(default_model_dir, ids_a), hf_logits(default_model_dir, ids_b)
-    check_ragged(default_model.transformer, ids_a, ids_b, ref_a, ref_b)
+    model = default_model.transformer
+    chosen, model.linear_backend = model.linear_backend, backend
+    try:
+        check_ragged(model, ids_a, ids_b, ref_a, ref_b)
+    finally:
+        model.linear_backend = chosen
 
 
 def test_gguf_dequantisation_matches_transformers_gguf_loader(default_model, default_model_dir):
@@ -81,9 +90,11 @@ def test_gguf_dequantisation_matches_transformers_gguf_loader(default_model, def
                "rope_theta": 500000.0}),
     ("llama", {"num_key_value_heads": 4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
 ])
-def test_tiny_random_models_match_transformers(tiny_model_factory, model_type, overrides):
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_tiny_random_models_match_transformers(tiny_model_factory, model_type, overrides, backend):
     model_dir = tiny_model_factory(model_type, **overrides)
     model = load_transformer(model_dir)
+    model.linear_backend = backend
     gen = torch.Generator().manual_seed(1)
     ids_a = torch.randint(0, 49152, (23,), generator=gen).tolist()
     ids_b = torch.randint(0, 49152, (17,), generator=gen).tolist()

@@ -260,6 +260,7 @@ def _config_dict(config: BenchConfig, target: LoadedModel, draft: LoadedModel | 
     out["target"] = str(target.model_dir)
     out["draft"] = str(draft.model_dir) if draft is not None else None
     out["draft_dtype"] = dtype_name(draft.transformer.dtype) if draft is not None else None
+    out["linear_backend"] = target.transformer.linear_backend
     out["torch"] = torch.__version__
     out["threads"] = torch.get_num_threads()
     out["machine"] = machine_description()

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from batchspec.config import ModelConfig, rope_type
 from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
+from batchspec.linear import default_backend, linear
 
 
 @dataclass
@@ -76,22 +77,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (N, in) @ weight (out, in)^T — F.linear, with the operand order chosen for CPU speed.
-
-    For 2..~100 rows MKL's sgemm runs (weight @ x^T)^T 1.5-2x faster than F.linear's x @ weight^T on this
-    machine (measured on the real model: 16 rows 150 vs 270 ms per forward); for a single row F.linear's gemv is
-    slightly faster. The transposed result is a free view.
-    """
-    if x.shape[0] == 1:
-        if x.dtype == torch.bfloat16:  # bfloat16's F.linear on one row is ~1.5x slower than its gemv (measured)
-            out = torch.mv(weight, x[0])[None]
-            return out if bias is None else out + bias
-        return F.linear(x, weight, bias)
-    out = (weight @ x.T).T
-    return out if bias is None else out + bias
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -110,6 +95,7 @@ class Transformer:
         self.head_ids: torch.Tensor | None = None  # (N,) sorted token ids of a restricted head (`restrict_head`)
         self.full_head = lm_head  # (vocab, hidden) whatever the head vocabulary
         self.rope_cos, self.rope_sin = self._rope_tables(config.max_position_embeddings)
+        self.linear_backend = default_backend()  # "mkl" or "onednn" for float32 linears (`batchspec.linear`)
 
     @property
     def device(self) -> torch.device:
@@ -257,11 +243,12 @@ class Transformer:
         if not decode:
             row_d, offset_d = row.to(dev), offset.to(dev)
 
+        lin = functools.partial(linear, backend=self.linear_backend)
         x = self.embed[tokens.to(dev)]  # (T, hidden)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.attn_norm, c.rms_norm_eps)
-            qkv = linear(h, layer.wqkv, layer.bqkv).contiguous()  # (T, (H + 2KV) * D)
+            qkv = lin(h, layer.wqkv, layer.bqkv).contiguous()  # (T, (H + 2KV) * D)
             q = qkv[:, :q_size].view(total, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(total, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].view(total, c.num_kv_heads, c.head_dim)
@@ -293,22 +280,21 @@ class Transformer:
             attn = (attn.view(batch, c.num_kv_heads, groups, n_max, c.head_dim)
                     .permute(0, 3, 1, 2, 4).reshape(batch, n_max, q_size))  # (B, n, H*D)
             attn = attn.view(batch, q_size) if decode else attn[row_d, offset_d]  # (T, H*D)
-            x = x + linear(attn, layer.wo)
+            x = x + lin(attn, layer.wo)
             h = F.rms_norm(x, (c.hidden_size,), layer.mlp_norm, c.rms_norm_eps)
-            gate, up = linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            # The float32 down projection keeps F.linear's operand order: its 1536-long reductions over the large
-            # MLP activations of models like SmolLM2 are where the two orders' rounding differs most (measured: max
-            # logit difference to transformers 1.1e-4 with the fast order here, 6e-5 without), for ~5 % speed.
-            # A bfloat16 model (a draft) is not compared at that precision: the fast order.
+            gate, up = lin(h, layer.w_gate_up).chunk(2, dim=-1)
+            # Under MKL the float32 down projection keeps F.linear's operand order: its 1536-long reductions over the
+            # large MLP activations of models like SmolLM2 are where the two orders' rounding differs most (measured:
+            # max logit difference to transformers 1.1e-4 with the fast order here, 6e-5 without), for ~5 % speed.
             act = F.silu(gate) * up
-            x = x + (linear(act, layer.w_down) if act.dtype == torch.bfloat16 else F.linear(act, layer.w_down))
+            x = x + lin(act, layer.w_down, reference_order=True)
 
         cache.lengths[slots] = ends
         hidden = F.rms_norm(x, (c.hidden_size,), self.final_norm, c.rms_norm_eps)  # (T, hidden)
         if logit_rows is not None:
-            logits = linear(hidden[logit_rows.to(dev)], self.lm_head)
+            logits = lin(hidden[logit_rows.to(dev)], self.lm_head)
         elif all_logits:
-            logits = linear(hidden, self.lm_head)
+            logits = lin(hidden, self.lm_head)
         else:
             logits = None
         return ForwardOutput(None if logits is None else logits.float(), hidden, self.head_ids, c.vocab_size)

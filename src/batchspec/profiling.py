@@ -53,7 +53,7 @@ def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max:
     def model_id(model: Transformer) -> dict:
         weights = model.embed.float()
         return {"config": model.config.as_dict(), "embed": [float(weights[:64].sum()), float(weights[-64:].sum())],
-                "dtype": str(model.dtype)}
+                "dtype": str(model.dtype), "linear": model.linear_backend}
 
     key = {"target": model_id(target), "draft": model_id(draft), "max_batch": max_batch, "k_max": k_max,
            "torch": torch.__version__, "cpu": machine_description(),

@@ -1,0 +1,58 @@
+"""The linear-layer backend: the choice per CPU and per override, and every path computing F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchspec.errors import BatchspecError
+from batchspec.linear import BACKENDS, ENV_VAR, choose_backend, default_backend, linear, onednn_available
+
+
+def test_auto_takes_onednn_on_amd_only_where_the_build_has_it():
+    assert choose_backend("auto", "AuthenticAMD", onednn=True) == "onednn"
+    assert choose_backend("auto", "AuthenticAMD", onednn=False) == "mkl"
+    assert choose_backend("auto", "GenuineIntel", onednn=True) == "mkl"
+    assert choose_backend("auto", "", onednn=True) == "mkl"  # no /proc/cpuinfo: PyTorch's default
+    assert choose_backend("mkl", "AuthenticAMD", onednn=True) == "mkl"
+    assert choose_backend("onednn", "GenuineIntel", onednn=True) == "onednn"
+
+
+def test_bad_choices_are_named():
+    with pytest.raises(BatchspecError, match="unknown linear backend 'blas'"):
+        choose_backend("blas", "AuthenticAMD", onednn=True)
+    with pytest.raises(BatchspecError, match="no oneDNN"):
+        choose_backend("onednn", "AuthenticAMD", onednn=False)
+
+
+def test_environment_overrides_the_choice(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "MKL")
+    assert default_backend() == "mkl"
+    monkeypatch.setenv(ENV_VAR, "fast")
+    with pytest.raises(BatchspecError, match=ENV_VAR):
+        default_backend()
+    monkeypatch.delenv(ENV_VAR)
+    assert default_backend() in BACKENDS
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "onednn" or onednn_available()])
+@pytest.mark.parametrize("rows", [1, 2, 16, 80])
+def test_every_path_computes_f_linear(backend, rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    for b in (None, bias):
+        for reference_order in (False, True):
+            out = linear(x, weight, b, backend=backend, reference_order=reference_order)
+            assert out.shape == (rows, 96) and out.dtype == torch.float32
+            want = expected if b is not None else expected - bias.double()
+            assert float((out.double() - want).abs().max()) < 1e-4
+    # a non-contiguous input (a column slice) and bfloat16 (always PyTorch's own matmul)
+    wide = torch.randn(rows, 128, generator=gen)
+    torch.testing.assert_close(linear(wide[:, ::2], weight, backend=backend), F.linear(wide[:, ::2], weight),
+                               atol=1e-4, rtol=1e-5)
+    out = linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16(), backend=backend)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(x, weight, bias), atol=0.5, rtol=0.05)
