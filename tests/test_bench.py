@@ -96,6 +96,28 @@ def test_sweep_baselines_and_skipped_prompts(tmp_path, tiny_model_factory):
     assert (tmp_path / "out" / "plots" / "sweep_batch_size.png") in plots
 
 
+def test_baselines_run_in_every_trial(tmp_path, tiny_model_factory):
+    """Each trial measures the transformers rows beside the policies; table, ratio and plot use their median."""
+    from batchspec.bench_report import baseline_ratios, baseline_rows
+
+    target = load_model(tiny_model_factory(name="target", seed=0))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os"]))
+    config = BenchConfig(dataset=f"jsonl:{prompts}", num_prompts=2, batch_size=2, policies=("ar",), max_tokens=4,
+                         trials=3, chat=False, baselines=("hf_generate",))
+    results = run_bench(config, target, None)
+    assert [(b["policy"], b["trial"]) for b in results["baselines"]] == [("hf_generate", t) for t in range(3)]
+    assert all(b["match_ar"] == 1.0 for b in results["baselines"])
+    (row,) = baseline_rows(results)
+    speeds = sorted(b["tokens_per_s"] for b in results["baselines"])
+    assert row["trials"] == 3 and row["tokens_per_s"] == speeds[1]
+    assert (row["min_tokens_per_s"], row["max_tokens_per_s"]) == (speeds[0], speeds[2])
+    assert "over 3 trials" in format_table(results)
+    ar = sorted(r["tokens_per_s"] for r in results["runs"])[1]
+    assert baseline_ratios(results) == f"best batchspec policy vs transformers: ar/hf_generate = {ar / speeds[1]:.2f}x"
+    assert (tmp_path / "out" / "plots" / "throughput.png") in write_results(results, tmp_path / "out")
+
+
 def test_sharegpt_auto_max_tokens_and_bad_sweep(tmp_path, tiny_model_factory):
     from batchspec.bench import parse_sweep, prepare_prompts
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from batchspec.errors import BatchspecError
-from batchspec.linear import BACKENDS, ENV_VAR, choose_backend, default_backend, linear, onednn_available
+from batchspec.linear import BACKENDS, ENV_VAR, PackedWeights, choose_backend, default_backend, linear, onednn_available
 
 
 def test_auto_takes_onednn_on_amd_only_where_the_build_has_it():
@@ -43,12 +43,14 @@ def test_every_path_computes_f_linear(backend, rows):
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(rows, 64, generator=gen)
     expected = F.linear(x.double(), weight.double(), bias.double())
+    packed = PackedWeights() if backend == "onednn" else None
     for b in (None, bias):
         for reference_order in (False, True):
-            out = linear(x, weight, b, backend=backend, reference_order=reference_order)
-            assert out.shape == (rows, 96) and out.dtype == torch.float32
-            want = expected if b is not None else expected - bias.double()
-            assert float((out.double() - want).abs().max()) < 1e-4
+            for pack in (None, packed):
+                out = linear(x, weight, b, backend=backend, reference_order=reference_order, packed=pack)
+                assert out.shape == (rows, 96) and out.dtype == torch.float32
+                want = expected if b is not None else expected - bias.double()
+                assert float((out.double() - want).abs().max()) < 1e-4
     # a non-contiguous input (a column slice) and bfloat16 (always PyTorch's own matmul)
     wide = torch.randn(rows, 128, generator=gen)
     torch.testing.assert_close(linear(wide[:, ::2], weight, backend=backend), F.linear(wide[:, ::2], weight),
@@ -56,3 +58,14 @@ def test_every_path_computes_f_linear(backend, rows):
     out = linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16(), backend=backend)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), F.linear(x, weight, bias), atol=0.5, rtol=0.05)
+
+
+def test_packed_weights_are_made_once_per_matrix():  # the pinned x86 PyTorch wheel has oneDNN
+    packed = PackedWeights()
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+    first = packed.get(a)
+    assert packed.get(a) is first and packed.get(b) is not first and len(packed) == 2
+    packed.discard(a)
+    assert len(packed) == 1 and packed.get(a) is not first
+    packed.clear()
+    assert len(packed) == 0

@@ -60,15 +60,23 @@ def _generate(hf, prompt_ids: list[list[int]], max_tokens: int, pad_id: int, ass
 
 
 def run_baseline(name: str, target: LoadedModel, draft: LoadedModel | None, prompt_ids: list[list[int]],
-                 max_tokens: int, batch_size: int, reference: list[list[int]] | None) -> dict:
-    """One baseline row over `prompt_ids` (already chat-formatted and tokenised), greedy, after a warm-up call."""
+                 max_tokens: int, batch_size: int, reference: list[list[int]] | None, trial: int = 0,
+                 loaded: dict | None = None) -> dict:
+    """One baseline row over `prompt_ids` (already chat-formatted and tokenised), greedy, after a warm-up call.
+
+    loaded: a dict that keeps the transformers models between calls (bench runs every baseline once per trial).
+    """
     import transformers
 
     check_baselines((name,))
     if name == "hf_assisted_b1" and draft is None:
         raise BatchspecError("the hf_assisted_b1 baseline needs a draft model (--draft)")
-    hf = _hf_model(target)
-    assistant = _hf_model(draft) if name == "hf_assisted_b1" else None
+    loaded = {} if loaded is None else loaded
+    if "target" not in loaded:
+        loaded["target"] = _hf_model(target)
+    if name == "hf_assisted_b1" and "draft" not in loaded:
+        loaded["draft"] = _hf_model(draft)
+    hf, assistant = loaded["target"], loaded["draft"] if name == "hf_assisted_b1" else None
     pad_id = min(target.eos_token_ids) if target.eos_token_ids else 0
     batch = batch_size if name == "hf_generate" else 1
     _generate(hf, prompt_ids[:1], 4, pad_id, assistant)  # warm-up
@@ -81,7 +89,7 @@ def run_baseline(name: str, target: LoadedModel, draft: LoadedModel | None, prom
     emitted = sum(len(_trim(row, eos, pad_id, emitted=True)) for row in outputs)
     row = {"policy": name, "library": f"transformers {transformers.__version__}", "batch_size": batch,
            "num_prompts": len(prompt_ids), "emitted_tokens": emitted, "wall_s": wall,
-           "tokens_per_s": emitted / wall if wall else 0.0, "trial": 0}
+           "tokens_per_s": emitted / wall if wall else 0.0, "trial": trial}
     if reference is not None:
         mine = [_trim(r, eos, pad_id, emitted=False) for r in outputs]
         row["match_ar"] = sum(a == b for a, b in zip(mine, reference)) / len(mine)

@@ -2,7 +2,8 @@
 
 Each trial runs every policy once on the same prompts (so machine noise hits all alike), after an untimed warm-up.
 `sweep` repeats that for every combination of batch size, k, extra and capacity values. Prompts too long for the
-context are skipped and counted. Transformers baselines (`baselines.py`) run once at the end on the same prompts.
+context are skipped and counted. Transformers baselines (`baselines.py`) run on the same prompts in every trial, after
+that trial's policies (at the first sweep point), so their ratios to the policies see the same stretch of the host.
 Results (`bench_report.py`): DIR/results.json (`{"config": ..., "runs": [...], "baselines": [...]}` with the
 DESIGN.md section 6 fields), DIR/results.csv, DIR/plots/*.png, and the table printed on stdout.
 """
@@ -166,8 +167,12 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     prompts, limits, skipped = prepare_prompts(config, target, draft)
     params = [SamplingParams(max_tokens=m, temperature=config.temperature, top_p=config.top_p, seed=config.seed)
               for m in limits]
-    runs, outputs, texts = [], {}, {}
+    runs, outputs, texts, baselines, hf_models = [], {}, {}, [], {}
     recorder, traced_requests = _trace_recorder(config), None
+    lossy = any(p not in LOSSLESS_POLICIES for p in config.policies)
+    if lossy or config.baselines:  # both score or re-run the prompts as token ids, encoded once here
+        encoder = Engine(target)
+        prompt_ids = [encoder.encode_prompt(p, config.chat) for p in prompts]
     for index, point in enumerate(sweep_points(config)):
         # tau only changes sprinter and tetris_scores only tetris: a sweep over such axes alone runs the other
         # policies at its first point only.
@@ -194,24 +199,21 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                                tetris_scores=point.spec.tetris_scores,
                                window_history=engine.stats.window_history)
                 runs.append(metrics)
+            if index == 0:  # the transformers rows, in every trial beside the policies: noise hits all alike
+                reference = outputs.get((0, trial, "ar"))
+                for name in config.baselines:
+                    count = len(prompts) if name == "hf_generate" else min(len(prompts), config.baseline_prompts)
+                    baselines.append(run_baseline(name, target, draft, prompt_ids[:count], limits[0],
+                                                  config.batch_size, reference[:count] if reference else None,
+                                                  trial=trial, loaded=hf_models))
     for run in runs:
         reference = outputs.get((run["point"], run["trial"], "ar"), outputs.get((0, run["trial"], "ar")))
         mine = outputs[(run["point"], run["trial"], run["policy"])]
         run["match_ar"] = (sum(a == b for a, b in zip(mine, reference)) / len(mine)) if reference else None
-    lossy = any(p not in LOSSLESS_POLICIES for p in config.policies)
-    if lossy or config.baselines:  # both score or re-run the prompts as token ids, encoded once here
-        encoder = Engine(target)
-        prompt_ids = [encoder.encode_prompt(p, config.chat) for p in prompts]
     if lossy:
         _add_quality(runs, outputs, texts, target, prompt_ids)
     results = {"config": {**_config_dict(config, target, draft, len(prompts)), "skipped_prompts": skipped},
-               "runs": runs, "baselines": []}
-    if config.baselines:
-        reference = outputs.get((0, 0, "ar"))
-        for name in config.baselines:
-            count = len(prompts) if name == "hf_generate" else min(len(prompts), config.baseline_prompts)
-            results["baselines"].append(run_baseline(name, target, draft, prompt_ids[:count], limits[0],
-                                                     config.batch_size, reference[:count] if reference else None))
+               "runs": runs, "baselines": baselines}
     if recorder is not None:
         _save_trace(recorder, traced_requests, results)
     return results

@@ -60,10 +60,13 @@ def format_table(results: dict) -> str:
         if "tetris" in speed:
             ratios = [f"tetris/{p} = {speed['tetris'] / speed[p]:.3f}" for p in ("sd", "dsd", "ar") if p in speed]
             lines += ["tokens_per_s ratios: " + ", ".join(ratios)] if ratios else []
-    for baseline in results.get("baselines", []):
+    for baseline in baseline_rows(results):
         match = "-" if baseline.get("match_ar") is None else f"{baseline['match_ar']:.3f}"
+        spread = (f", min {baseline['min_tokens_per_s']:.1f} max {baseline['max_tokens_per_s']:.1f} over "
+                  f"{baseline['trials']} trials" if baseline["trials"] > 1 else "")
         lines.append(f"{baseline['policy']:>15} {baseline['tokens_per_s']:>17.3f} tokens/s  match_ar {match}  "
-                     f"({baseline['library']}, batch {baseline['batch_size']}, {baseline['num_prompts']} prompts)")
+                     f"({baseline['library']}, batch {baseline['batch_size']}, {baseline['num_prompts']} prompts"
+                     f"{spread})")
     ratio = baseline_ratios(results)
     if ratio:
         lines.append(ratio)
@@ -73,9 +76,24 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def baseline_rows(results: dict) -> list[dict]:
+    """One row per transformers baseline: its median tokens/s over trials (min/max beside), the worst match_ar."""
+    groups: dict[str, list[dict]] = {}
+    for row in results.get("baselines", []):
+        groups.setdefault(row["policy"], []).append(row)
+    rows = []
+    for trials in groups.values():
+        speeds = [r["tokens_per_s"] for r in trials]
+        matches = [r["match_ar"] for r in trials if r.get("match_ar") is not None]
+        rows.append({**trials[0], "tokens_per_s": statistics.median(speeds), "min_tokens_per_s": min(speeds),
+                     "max_tokens_per_s": max(speeds), "match_ar": min(matches) if matches else None,
+                     "trials": len(trials)})
+    return rows
+
+
 def baseline_ratios(results: dict) -> str | None:
-    """batchspec's fastest policy (first sweep point) over each transformers baseline, in tokens/s."""
-    baselines = results.get("baselines", [])
+    """batchspec's fastest policy (first sweep point) over each transformers baseline: medians of tokens/s."""
+    baselines = baseline_rows(results)
     ours = [r for r in summary_rows(results) if r["tokens_per_s"]]
     if not baselines or not ours:
         return None

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from batchspec.config import ModelConfig, rope_type
 from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
-from batchspec.linear import default_backend, linear
+from batchspec.linear import PackedWeights, default_backend, linear
 
 
 @dataclass
@@ -96,6 +96,7 @@ class Transformer:
         self.full_head = lm_head  # (vocab, hidden) whatever the head vocabulary
         self.rope_cos, self.rope_sin = self._rope_tables(config.max_position_embeddings)
         self.linear_backend = default_backend()  # "mkl" or "onednn" for float32 linears (`batchspec.linear`)
+        self.packed_weights = PackedWeights()  # oneDNN's layout of the matrices, made on first use under "onednn"
 
     @property
     def device(self) -> torch.device:
@@ -115,6 +116,8 @@ class Transformer:
 
     def restrict_head(self, token_ids: torch.Tensor | None) -> None:
         """Compute logits only for `token_ids` (every other token gets probability 0); None restores the full head."""
+        if self.lm_head is not self.full_head:
+            self.packed_weights.discard(self.lm_head)  # a restricted head about to be replaced
         if token_ids is None:
             self.lm_head, self.head_ids = self.full_head, None
             return
@@ -243,7 +246,7 @@ class Transformer:
         if not decode:
             row_d, offset_d = row.to(dev), offset.to(dev)
 
-        lin = functools.partial(linear, backend=self.linear_backend)
+        lin = functools.partial(linear, backend=self.linear_backend, packed=self.packed_weights)
         x = self.embed[tokens.to(dev)]  # (T, hidden)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for index, layer in enumerate(self.layers):

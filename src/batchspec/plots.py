@@ -55,10 +55,13 @@ def plot_throughput(results: dict, path: Path) -> Path:
     policies = [p for p in _policies(results) if any(r["policy"] == p for r in runs)]
     values = [[r["tokens_per_s"] for r in runs if r["policy"] == p] for p in policies]
     colors = [_color(p) for p in policies]
-    for baseline in results.get("baselines", []):  # transformers rows, one measurement each
-        kind = "assisted" if "assisted" in baseline["policy"] else "generate"
-        policies.append(f"transformers\n{kind}\nB={baseline['batch_size']}")
-        values.append([baseline["tokens_per_s"]])
+    baselines: dict[str, list[dict]] = {}
+    for baseline in results.get("baselines", []):  # transformers rows, one per trial
+        baselines.setdefault(baseline["policy"], []).append(baseline)
+    for trials in baselines.values():
+        kind = "assisted" if "assisted" in trials[0]["policy"] else "generate"
+        policies.append(f"transformers\n{kind}\nB={trials[0]['batch_size']}")
+        values.append([b["tokens_per_s"] for b in trials])
         colors.append("0.6")
     medians = [statistics.median(v) for v in values]
     fig, ax = plt.subplots(figsize=(max(7, 1.25 * len(policies)), 4))  # ~1.2 in per label: no overlap
