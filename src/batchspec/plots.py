@@ -68,9 +68,10 @@ def plot_throughput(results: dict, path: Path) -> Path:
     low = [m - min(v) for m, v in zip(medians, values)]
     high = [max(v) - m for m, v in zip(medians, values)]
     bars = ax.bar(policies, medians, yerr=[low, high], capsize=4, color=colors)
-    for bar, value in zip(bars, medians):
-        ax.annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
+    for bar, value, top in zip(bars, medians, (max(v) for v in values)):  # above the whisker, not across it
+        ax.annotate(f"{value:.1f}", (bar.get_x() + bar.get_width() / 2, top), ha="center", va="bottom",
                     xytext=(0, 3), textcoords="offset points", fontsize=8)
+    ax.set_ylim(0, 1.12 * max(max(v) for v in values))  # room for the labels above the whiskers
     ax.set_ylabel("throughput (output tokens / s)")
     ax.set_xlabel("policy (median over trials; whiskers: min..max); grey: transformers baselines")
     if len(policies) > 8:
