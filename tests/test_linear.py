@@ -55,9 +55,10 @@ def test_every_path_computes_f_linear(backend, rows):
     wide = torch.randn(rows, 128, generator=gen)
     torch.testing.assert_close(linear(wide[:, ::2], weight, backend=backend), F.linear(wide[:, ::2], weight),
                                atol=1e-4, rtol=1e-5)
-    out = linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16(), backend=backend)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), F.linear(x, weight, bias), atol=0.5, rtol=0.05)
+    for pack in (None, packed):  # bfloat16 (a draft): packed under oneDNN too, PyTorch's matmul under MKL
+        out = linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16(), backend=backend, packed=pack)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), F.linear(x, weight, bias), atol=0.5, rtol=0.05)
 
 
 def test_packed_weights_are_made_once_per_matrix():  # the pinned x86 PyTorch wheel has oneDNN

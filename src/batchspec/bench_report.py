@@ -48,7 +48,7 @@ def format_table(results: dict) -> str:
     lines = []
     if config.get("machine"):
         draft = f", draft in {config['draft_dtype']}" if config.get("draft_dtype") else ""
-        linears = f", float32 linears in {config['linear_backend']}" if config.get("linear_backend") else ""
+        linears = f", linear layers in {config['linear_backend']}" if config.get("linear_backend") else ""
         lines.append(f"measured on {config['machine']}, torch {config.get('torch', '?')}{draft}{linears}")
     for point in dict.fromkeys(r["point"] for r in ours):
         group = [r for r in ours if r["point"] == point]

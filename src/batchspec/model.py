@@ -95,7 +95,7 @@ class Transformer:
         self.head_ids: torch.Tensor | None = None  # (N,) sorted token ids of a restricted head (`restrict_head`)
         self.full_head = lm_head  # (vocab, hidden) whatever the head vocabulary
         self.rope_cos, self.rope_sin = self._rope_tables(config.max_position_embeddings)
-        self.linear_backend = default_backend()  # "mkl" or "onednn" for float32 linears (`batchspec.linear`)
+        self.linear_backend = default_backend()  # "mkl" or "onednn" (`batchspec.linear`)
         self.packed_weights = PackedWeights()  # oneDNN's layout of the matrices, made on first use under "onednn"
 
     @property
