@@ -10,16 +10,15 @@ kernels from the instruction sets the CPU reports, whoever made it. Measured on 
 
 oneDNN runs faster still on weights reordered once into its own blocked layout (`PackedWeights`) instead of on
 every call: 1.2-1.7x again in interleaved runs (16 rows 16.3 vs 25.4 ms, 80 rows 34.3 vs 44.3 on a busy host),
-whatever the row count the layout was made for. The packed copies are extra memory (the size of the float32
-matrices; the originals stay for everything else that reads weights).
+whatever the row count the layout was made for. The packed copies cost memory (as much as the matrices; the
+originals stay for everything else that reads weights). A bfloat16 model (a draft) runs on packed weights too:
+PyTorch already sends bfloat16 matmuls to oneDNN but reorders the weights on every call; packed, the shipped
+draft's six layers and head ran 2-3x faster (16 rows 5.9 -> 3.0 ms, one row 5.7 -> 2.0 ms).
 
-On Intel CPUs MKL is at least as fast (measured on a Xeon with AVX-512, through PyTorch's mkldnn tensors: oneDNN no
-faster at 16 rows, 1.7x slower at 80), so `auto` keeps MKL there. The choice changes rounding only (sums run in another order): the default
-target's logits stay within 1.2e-4 of transformers' either way (`tests/test_model_vs_hf.py` checks both).
-A bfloat16 model (a draft) under "onednn" runs on packed weights too: PyTorch already hands bfloat16 matmuls to
-oneDNN, but reorders the weights on every call; packed, the shipped draft's matrices ran 2-3x faster on the Zen 5
-(16 rows 5.9 -> 3.0 ms, one row 5.7 -> 2.0 ms for its six layers and head). Under "mkl" bfloat16 keeps PyTorch's
-matmul.
+On Intel CPUs MKL is at least as fast (measured on a Xeon with AVX-512, through PyTorch's mkldnn tensors: oneDNN
+no faster at 16 rows, 1.7x slower at 80), so `auto` keeps MKL there, and PyTorch's own bfloat16 matmul. The choice
+changes rounding only (sums run in another order): the default target's logits stay within 1.2e-4 of
+transformers' either way (`tests/test_model_vs_hf.py` checks both).
 
 `BATCHSPEC_LINEAR_BACKEND=auto|mkl|onednn` overrides the choice for a process; `Transformer.linear_backend` for one
 model.
@@ -65,7 +64,7 @@ def default_backend() -> str:
 
 
 class PackedWeights:
-    """oneDNN's blocked copies of float32 weight matrices, each made on its first use and kept.
+    """oneDNN's blocked copies of weight matrices (float32 or bfloat16), each made on its first use and kept.
 
     Keyed by the weight tensor itself (identity): a matrix replaced by a new tensor gets a new copy; one changed
     in place does not (the runtime never does that; call `clear`).
@@ -101,12 +100,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x (N, in) @ weight (out, in)^T (+ bias) -> (N, out).
 
     float32 or bfloat16 with `backend="onednn"`: oneDNN's inner-product kernel, on `packed`'s copy of the weight
-    when given.
-    Otherwise PyTorch's matmul with the operand
-    order chosen for CPU speed: for 2..~100 rows MKL's sgemm runs (weight @ x^T)^T 1.5-2x faster than F.linear's
-    x @ weight^T (measured on an AVX2 EPYC: 16 rows 150 vs 270 ms per forward of the default target; the transposed
-    result is a free view); one row goes through gemv. `reference_order` keeps F.linear's order (transformers'
-    rounding) for float32 under MKL.
+    when given. Otherwise PyTorch's matmul with the operand order chosen for CPU speed: for 2..~100 rows MKL's sgemm
+    runs (weight @ x^T)^T 1.5-2x faster than F.linear's x @ weight^T (measured on an AVX2 EPYC: 16 rows 150 vs
+    270 ms per forward of the default target; the transposed result is a free view); one row goes through gemv.
+    `reference_order` keeps F.linear's order (transformers' rounding) for float32 under MKL.
     """
     if backend == "onednn" and x.dtype in (torch.float32, torch.bfloat16):
         w = weight if packed is None else packed.get(weight)
