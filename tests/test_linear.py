@@ -70,3 +70,18 @@ def test_packed_weights_are_made_once_per_matrix():  # the pinned x86 PyTorch wh
     assert len(packed) == 1 and packed.get(a) is not first
     packed.clear()
     assert len(packed) == 0
+
+
+def test_a_model_packs_every_matrix_up_front(tiny_model_factory):
+    from batchspec.loading import load_transformer
+
+    model = load_transformer(tiny_model_factory())
+    model.linear_backend = "mkl"
+    model.pack_weights()
+    assert len(model.packed_weights) == 0  # nothing to pack for MKL
+    model.linear_backend = "onednn"
+    model.pack_weights()
+    assert len(model.packed_weights) == 4 * model.config.num_layers + 1  # qkv, o, gate/up, down; the head
+    cache = model.new_cache(1, 16)
+    model.forward(cache, torch.tensor([cache.allocate()]), torch.tensor([3]), torch.tensor([5, 6, 7]))
+    assert len(model.packed_weights) == 4 * model.config.num_layers + 1  # the forward made no new copies

@@ -59,6 +59,8 @@ class Engine:
             check_draft_compatible(target, draft)
         self.target = target
         self.draft = draft
+        for model in (target, draft) if draft is not None else (target,):
+            model.transformer.pack_weights()  # oneDNN's layout now, not on the first request
         self.max_batch_size = max_batch_size
         self.prefill_tokens = prefill_tokens
         self.seed = seed

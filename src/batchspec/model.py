@@ -114,6 +114,16 @@ class Transformer:
                     tensors[id(t)] = t
         return sum(t.numel() for t in tensors.values())
 
+    def pack_weights(self) -> None:
+        """Under oneDNN, reorder every matrix into its blocked layout now instead of on first use (which would land
+        on the first request's latency). A no-op under MKL."""
+        if self.linear_backend != "onednn":
+            return
+        for layer in self.layers:
+            for weight in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+                self.packed_weights.get(weight)
+        self.packed_weights.get(self.lm_head)
+
     def restrict_head(self, token_ids: torch.Tensor | None) -> None:
         """Compute logits only for `token_ids` (every other token gets probability 0); None restores the full head."""
         if self.lm_head is not self.full_head:
