@@ -76,13 +76,18 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def baseline_rows(results: dict) -> list[dict]:
-    """One row per transformers baseline: its median tokens/s over trials (min/max beside), the worst match_ar."""
+def baselines_by_name(results: dict) -> dict[str, list[dict]]:
+    """The transformers rows grouped by baseline, one row per trial each, in the order they ran."""
     groups: dict[str, list[dict]] = {}
     for row in results.get("baselines", []):
         groups.setdefault(row["policy"], []).append(row)
+    return groups
+
+
+def baseline_rows(results: dict) -> list[dict]:
+    """One row per transformers baseline: its median tokens/s over trials (min/max beside), the worst match_ar."""
     rows = []
-    for trials in groups.values():
+    for trials in baselines_by_name(results).values():
         speeds = [r["tokens_per_s"] for r in trials]
         matches = [r["match_ar"] for r in trials if r.get("match_ar") is not None]
         rows.append({**trials[0], "tokens_per_s": statistics.median(speeds), "min_tokens_per_s": min(speeds),

@@ -55,10 +55,9 @@ def plot_throughput(results: dict, path: Path) -> Path:
     policies = [p for p in _policies(results) if any(r["policy"] == p for r in runs)]
     values = [[r["tokens_per_s"] for r in runs if r["policy"] == p] for p in policies]
     colors = [_color(p) for p in policies]
-    baselines: dict[str, list[dict]] = {}
-    for baseline in results.get("baselines", []):  # transformers rows, one per trial
-        baselines.setdefault(baseline["policy"], []).append(baseline)
-    for trials in baselines.values():
+    from batchspec.bench_report import baselines_by_name
+
+    for trials in baselines_by_name(results).values():  # transformers rows, one per trial
         kind = "assisted" if "assisted" in trials[0]["policy"] else "generate"
         policies.append(f"transformers\n{kind}\nB={trials[0]['batch_size']}")
         values.append([b["tokens_per_s"] for b in trials])
