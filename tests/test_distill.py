@@ -103,6 +103,62 @@ def test_interrupted_run_resumes_exactly(tiny_target, tmp_path, monkeypatch):
     assert resumed[-1]["val_kl"] == pytest.approx(straight[-1]["val_kl"], rel=1e-4)
 
 
+def _loss_model(vocab: int = 40):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type="llama", vocab_size=vocab, hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                  tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def test_head_vocabulary_loss_is_the_deployed_distribution():
+    """Training against a head vocabulary scores the draft as deployed: softmax over the head's rows only, the
+    teacher's top-k renormalised over the tokens inside it; with every token in the head it is the full loss."""
+    from batchspec.distill_train import distill_loss
+
+    model = _loss_model()
+    inputs = torch.randint(0, 40, (2, 6))
+    positions = torch.tensor([[0, 3], [0, 4], [1, 2], [1, 5]])
+    top_ids = torch.tensor([[5, 7, 30], [31, 32, 33], [7, 5, 9], [2, 31, 5]])  # row 1: no token in the head below
+    top_logp = torch.log_softmax(torch.randn(4, 3), -1)
+    full, full_stats = distill_loss(model, inputs, positions, top_ids, top_logp, 0.25)
+    every, every_stats = distill_loss(model, inputs, positions, top_ids, top_logp, 0.25, torch.arange(40))
+    assert every.item() == pytest.approx(full.item(), rel=1e-5) and every_stats == pytest.approx(full_stats)
+
+    head = torch.arange(0, 30)  # 30..39 outside
+    loss, stats = distill_loss(model, inputs, positions, top_ids, top_logp, 0.25, head)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    # by hand: q over the head rows; p over the teacher tokens inside the head; row 1 contributes nothing
+    hidden = model.model(input_ids=inputs).last_hidden_state[positions[:, 0], positions[:, 1]]
+    log_q = torch.log_softmax(hidden @ model.lm_head.weight[head].T, -1)
+    kls, ces = [], []
+    for row in (0, 2, 3):
+        keep = [j for j in range(3) if top_ids[row, j] < 30]
+        p = torch.softmax(top_logp[row, keep], -1)
+        kls.append((p * (p.log() - log_q[row, top_ids[row, keep]])).sum())
+        if top_ids[row, 0] < 30:
+            ces.append(-log_q[row, top_ids[row, 0]])
+    assert stats["kl"] == pytest.approx(torch.stack(kls).mean().item(), rel=1e-4)
+    assert stats["ce"] == pytest.approx(torch.stack(ces).mean().item(), rel=1e-4)
+    choice = head[log_q.argmax(-1)]
+    assert stats["top1"] == pytest.approx((choice == top_ids[:, 0]).float().mean().item())
+
+
+def test_bfloat16_training_lowers_kl(tiny_target, tmp_path):
+    """--train-dtype bfloat16: the step's matrix products under autocast; weights stay float32 and it still learns."""
+    cfg = DistillConfig(target=str(tiny_target), **{**TINY, "train_dtype": "bfloat16", "head_vocab": 300})
+    out = tmp_path / "draft"
+    log = run_distill(cfg, out, prompts=PROMPTS)["log"]
+    assert log[-1]["val_kl"] < log[0]["val_kl"]
+    assert json.loads((out / "work" / "head_vocab.json").read_text())["size"] == 300
+    assert json.loads((out / "head_vocab.json").read_text())["token_ids"] == json.loads(
+        (out / "work" / "head_vocab.json").read_text())["token_ids"]
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
+
+
 def test_stdlib_prompts_are_seeded_and_prefix_stable():
     few, more = build_prompts(6, seed=3), build_prompts(12, seed=3)
     assert few == more[:6] and len(set(more)) == 12
@@ -156,6 +212,8 @@ def test_cli_options_are_validated():
         config_from_args(parser.parse_args(["distill", "--out", "x", "--hidden", "0"]))
     with pytest.raises(BatchspecError, match="--head-vocab must be >= 0"):
         config_from_args(parser.parse_args(["distill", "--out", "x", "--head-vocab", "-1"]))
+    with pytest.raises(SystemExit):  # argparse names the bad choice
+        parser.parse_args(["distill", "--out", "x", "--train-dtype", "float8"])
     torch.manual_seed(0)  # keep global RNG use of other tests unaffected
     args = parser.parse_args(["distill", "--out", "x", "--steps", "7", "--layers", "2"])
     assert config_from_args(args).steps == 7 and args.run.__name__ == "cmd_distill"

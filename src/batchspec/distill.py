@@ -29,7 +29,9 @@ from batchspec.config import ModelConfig
 from batchspec.distill_train import train
 from batchspec.errors import BatchspecError
 from batchspec.gguf_export import MATRIX_TYPES
-from batchspec.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab
+from batchspec.head_vocab import (HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, read_head_vocab,
+                                  write_head_vocab)
+from batchspec.precision import DTYPE_CHOICES
 from batchspec.teacher_data import load_samples, make_teacher_data
 
 
@@ -58,6 +60,7 @@ class DistillConfig:
     save_every: int = 50
     seed: int = 0
     head_vocab: int = 0  # >0: the draft's LM head scores only the N tokens the target emits most (head_vocab.py)
+    train_dtype: str = "auto"  # matrix products in bfloat16 under CPU autocast where the CPU has it natively
     gguf_type: str = "Q8_0"  # block format of the trained matrices in OUT/draft.gguf (gguf_export.MATRIX_TYPES)
 
 
@@ -197,6 +200,9 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     add("--head-vocab", type=int, default=d.head_vocab,
         help="restrict the draft's LM head to the N tokens the target emits most often in the teacher data "
              "(0: the full vocabulary); 8192 cuts the default draft's step time by a third at ~no loss of acceptance")
+    add("--train-dtype", default=d.train_dtype, choices=DTYPE_CHOICES,
+        help=f"precision of the training step's matrix products ({d.train_dtype}: bfloat16 where the CPU computes "
+             "it natively, else float32); bfloat16 runs them under autocast, weights and optimiser stay float32")
     add("--gguf-type", default=d.gguf_type, choices=MATRIX_TYPES,
         help=f"block format of the trained matrices in OUT/draft.gguf ({d.gguf_type}; Q5_1 fits six layers in 50 MB)")
     add("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -222,7 +228,20 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
 
 
 TRAINING_FIELDS = {"hidden", "layers", "heads", "kv_heads", "intermediate", "init_layers", "freeze_embedding",
-                   "batch_tokens", "lr", "weight_decay", "ce_weight"}
+                   "batch_tokens", "lr", "weight_decay", "ce_weight", "head_vocab"}
+
+
+def training_head_vocab(cfg: DistillConfig, target, samples: list[dict], work: Path) -> torch.Tensor | None:
+    """The draft's head vocabulary (sorted ids; None for a full head), chosen from the teacher data when training
+    starts and kept in work/ so that a resumed run — even on more data — trains and exports the same rows."""
+    if not cfg.head_vocab:
+        return None
+    head = read_head_vocab(work) if (work / "checkpoint.json").is_file() else None
+    if head is None:  # a fresh run, or one from before the head was chosen ahead of training
+        counts = count_target_tokens(samples, target.config.vocab_size)
+        head = choose_head_vocab(counts, cfg.head_vocab, target.tokenizer.special_token_ids())
+        write_head_vocab(work, head, source="chosen at the start of training")
+    return head
 
 
 def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: bool = False,
@@ -242,8 +261,8 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
             raise BatchspecError(f"{out} already holds a distillation run; pass --resume to continue it "
                                  "or choose another --out")
         old = json.loads(settings.read_text())
-        # May change on resume (prompts are prefix-stable; the head vocabulary is chosen at export).
-        free = {"steps", "save_every", "num_prompts", "forced_prompts", "head_vocab", "gguf_type"}
+        # May change on resume (prompts are prefix-stable; the head vocabulary is fixed once training starts).
+        free = {"steps", "save_every", "num_prompts", "forced_prompts", "gguf_type", "train_dtype"}
         if not (work / "checkpoint.json").is_file():
             free |= TRAINING_FIELDS  # no training yet: only the teacher data must stay consistent
         changed = {k for k in old if k not in free and old[k] != asdict(cfg).get(k)}
@@ -262,11 +281,11 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
     if data_only:
         return {"config": asdict(cfg), "data_s": data_s, "log": []}
     samples = load_samples(work / "data")  # once: training, the head vocabulary and the summary all read it
-    model, log = train(cfg, init_draft(cfg, target), samples, work, target.tokenizer.eos_token_id or 0, progress)
+    head = training_head_vocab(cfg, target, samples, work)
+    model, log = train(cfg, init_draft(cfg, target), samples, work, target.tokenizer.eos_token_id or 0, progress,
+                       head)
     export_draft(model, cfg, target, out)
-    if cfg.head_vocab:
-        counts = count_target_tokens(samples, target.config.vocab_size)
-        head = choose_head_vocab(counts, cfg.head_vocab, target.tokenizer.special_token_ids())
+    if head is not None:
         write_head_vocab(out, head, source="batchspec distill: the target's most frequent tokens in its teacher data")
     else:
         (out / HEAD_VOCAB_FILE).unlink(missing_ok=True)  # a full head: no choice left over from an earlier export

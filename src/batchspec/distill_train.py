@@ -3,6 +3,13 @@
 `distill.py` builds the draft and the teacher data (`teacher_data.py`); this module trains it. A checkpoint holds
 weights, AdamW moments and the step; the data order is a function of seed and step, so a resumed run continues
 exactly where an interrupted one stopped.
+
+Two things make a step cheap on a CPU. A draft with a head vocabulary (`head_vocab.py`) is trained as it is
+deployed: its LM head scores only those rows, and the teacher's top-k is renormalised over the ones among them (the
+full 49152-row head was ~40 % of a six-layer draft's training FLOPs). And `--train-dtype bfloat16` runs the matrix
+products under `torch.autocast` in bfloat16 — weights, gradients and AdamW stay float32 — which on CPUs with native
+bfloat16 (AVX512-BF16, AMX) is 2-3x faster than float32 (measured: an eight-layer draft, 2048 tokens per step on
+2 Zen 5 cores, 2.58 -> 1.06 s with an 8192-token head; 4.38 s in float32 with the full head).
 """
 
 from __future__ import annotations
@@ -61,16 +68,41 @@ def make_batch(samples, indices: list[int], max_len: int, pad_id: int):
     return inputs, torch.cat(positions), torch.cat(top_ids), torch.cat(top_logp)
 
 
-def distill_loss(model, inputs, positions, top_ids, top_logp, ce_weight: float) -> tuple[torch.Tensor, dict]:
-    """KL(renormalised teacher top-k || draft) + ce_weight * cross-entropy on the teacher's top-1."""
-    hidden = model.model(input_ids=inputs).last_hidden_state  # (B, L, hidden), after the final norm
-    chosen = hidden[positions[:, 0], positions[:, 1]]  # (N, hidden): only response positions need the LM head
-    log_q = F.linear(chosen, model.lm_head.weight).log_softmax(dim=-1)  # (N, V)
-    log_q_top = log_q.gather(1, top_ids)  # (N, k)
-    p = top_logp.softmax(dim=-1)  # (N, k) renormalised teacher top-k
-    kl = (p * (p.clamp_min(1e-12).log() - log_q_top)).sum(-1).mean()
-    ce = -log_q_top[:, 0].mean()
-    match = (log_q.argmax(-1) == top_ids[:, 0]).float().mean()
+def head_index(head: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
+    """(V,) int64: each token's row in the head vocabulary `head` (sorted ids), -1 for tokens outside it."""
+    if head is None:
+        return None
+    index = torch.full((vocab,), -1, dtype=torch.int64)
+    index[head] = torch.arange(len(head))
+    return index
+
+
+def distill_loss(model, inputs, positions, top_ids, top_logp, ce_weight: float, head: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
+    """KL(renormalised teacher top-k || draft) + ce_weight * cross-entropy on the teacher's top-1.
+
+    With a head vocabulary `head` (sorted token ids) the draft's distribution is over those rows only, as deployed:
+    teacher tokens outside it are dropped from the top-k before renormalising, and count as misses in `top1`.
+    `dtype` bfloat16 runs the forward under CPU autocast (softmax and losses stay float32).
+    """
+    weight = model.lm_head.weight if head is None else model.lm_head.weight[head]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        hidden = model.model(input_ids=inputs).last_hidden_state  # (B, L, hidden), after the final norm
+        chosen = hidden[positions[:, 0], positions[:, 1]]  # (N, hidden): only response positions need the LM head
+        logits = F.linear(chosen, weight)  # (N, V) or (N, len(head))
+    log_q = logits.float().log_softmax(dim=-1)
+    index = head_index(head, model.lm_head.weight.shape[0])
+    rows = top_ids if index is None else index[top_ids]  # (N, k): columns of log_q, -1 outside the head
+    inside = rows >= 0
+    log_q_top = log_q.gather(1, rows.clamp_min(0))  # (N, k)
+    p = top_logp.masked_fill(~inside, float("-inf")).softmax(dim=-1)  # (N, k) teacher top-k within the head
+    p = torch.where(inside, p, 0.0)  # rows with no token inside the head are all zero, not NaN
+    scored = inside.any(-1).float()  # positions with at least one teacher token the draft can propose
+    kl = ((p * (p.clamp_min(1e-12).log() - log_q_top)).sum(-1) * scored).sum() / scored.sum().clamp_min(1)
+    top_inside = inside[:, 0].float()
+    ce = -(log_q_top[:, 0] * top_inside).sum() / top_inside.sum().clamp_min(1)
+    choice = log_q.argmax(-1) if head is None else head[log_q.argmax(-1)]
+    match = (choice == top_ids[:, 0]).float().mean()
     stats = {"kl": kl.item(), "ce": ce.item(), "top1": match.item()}
     return kl + ce_weight * ce, stats
 
@@ -109,11 +141,12 @@ def load_checkpoint(work: Path, model, optimizer) -> tuple[int, list[dict]]:
 
 
 @torch.no_grad()
-def evaluate(model, samples, indices: list[int], cfg: DistillConfig, pad_id: int) -> dict:
+def evaluate(model, samples, indices: list[int], cfg: DistillConfig, pad_id: int, head: torch.Tensor | None = None,
+             dtype: torch.dtype = torch.float32) -> dict:
     totals, count = {"kl": 0.0, "ce": 0.0, "top1": 0.0}, 0
     for start in range(0, len(indices), 8):
         batch = make_batch(samples, indices[start:start + 8], cfg.max_prompt_tokens + cfg.gen_tokens, pad_id)
-        _, stats = distill_loss(model, *batch, cfg.ce_weight)
+        _, stats = distill_loss(model, *batch, cfg.ce_weight, head, dtype)
         n = len(batch[1])
         for key in totals:
             totals[key] += stats[key] * n
@@ -122,13 +155,18 @@ def evaluate(model, samples, indices: list[int], cfg: DistillConfig, pad_id: int
 
 
 def train(cfg: DistillConfig, model: torch.nn.Module, samples: list[dict[str, torch.Tensor]], work: Path,
-          pad_id: int, progress: bool) -> tuple[torch.nn.Module, list[dict]]:
+          pad_id: int, progress: bool, head: torch.Tensor | None = None) -> tuple[torch.nn.Module, list[dict]]:
     """AdamW over `cfg.steps` steps of the teacher `samples` (`teacher_data.load_samples(work / "data")`),
-    resuming from `work/checkpoint.*`; returns (model, log).
+    resuming from `work/checkpoint.*`; returns (model, log). `head`: the draft's head vocabulary (sorted ids) or
+    None for the full vocabulary.
 
     The first 5 % of the samples (in shard order) are held out for the logged validation KL / top-1.
     """
     from tqdm import tqdm
+
+    from batchspec.precision import resolve_dtype
+
+    dtype = resolve_dtype(cfg.train_dtype)
 
     if len(samples) < 2:
         raise BatchspecError(f"too little teacher data in {work / 'data'} ({len(samples)} samples)")
@@ -147,13 +185,15 @@ def train(cfg: DistillConfig, model: torch.nn.Module, samples: list[dict[str, to
     if (work / "checkpoint.json").is_file():
         step, log = load_checkpoint(work, model, optimizer)
     else:
-        log.append({"step": 0, **{f"val_{k}": v for k, v in evaluate(model, samples, val_idx, cfg, pad_id).items()}})
+        val = evaluate(model, samples, val_idx, cfg, pad_id, head, dtype)
+        log.append({"step": 0, **{f"val_{k}": v for k, v in val.items()}})
     bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", disable=not progress)
     model.train()
     while step < cfg.steps:
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, cfg)
-        loss, stats = distill_loss(model, *make_batch(samples, schedule[step], max_len, pad_id), cfg.ce_weight)
+        batch = make_batch(samples, schedule[step], max_len, pad_id)
+        loss, stats = distill_loss(model, *batch, cfg.ce_weight, head, dtype)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -163,7 +203,7 @@ def train(cfg: DistillConfig, model: torch.nn.Module, samples: list[dict[str, to
         bar.set_postfix(kl=f"{stats['kl']:.3f}", top1=f"{stats['top1']:.3f}")
         if step % cfg.save_every == 0 or step == cfg.steps:
             model.eval()
-            val = evaluate(model, samples, val_idx, cfg, pad_id)
+            val = evaluate(model, samples, val_idx, cfg, pad_id, head, dtype)
             model.train()
             log.append({"step": step, "train_kl": stats["kl"], **{f"val_{k}": v for k, v in val.items()}})
             save_checkpoint(work, model, optimizer, step, log)
