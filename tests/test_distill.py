@@ -189,7 +189,7 @@ def test_default_draft_is_a_small_model():
     path = default_draft_dir()
     folder = path if path.is_dir() else path.parent
     size = sum(f.stat().st_size for f in folder.iterdir())
-    assert size <= 50 * 2**20
+    assert size <= 50_000_000  # "at most 50 MB"
     assert (folder / "MODEL_CARD.md").is_file()
 
 
