@@ -164,10 +164,11 @@ def plot_speed_quality(results: dict, path: Path) -> Path | None:
     if not runs:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    for run in runs:
+    for i, run in enumerate(sorted(runs, key=lambda r: r.get("tau") or 0.0)):
         ax.scatter(run["match_ar"], run["tokens_per_s"], color=_color("sprinter"))
+        # Neighbouring taus often land close together: their labels alternate above and below the point.
         ax.annotate(f"tau={run.get('tau')}", (run["match_ar"], run["tokens_per_s"]), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
+                    xytext=(4, 4 if i % 2 == 0 else -11), textcoords="offset points")
     for policy in ("ar", "sd", "tetris"):
         speeds = [r["tokens_per_s"] for r in results["runs"] if r["policy"] == policy]
         if speeds:
