@@ -204,7 +204,8 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
         help=f"precision of the training step's matrix products ({d.train_dtype}: bfloat16 where the CPU computes "
              "it natively, else float32); bfloat16 runs them under autocast, weights and optimiser stay float32")
     add("--gguf-type", default=d.gguf_type, choices=MATRIX_TYPES,
-        help=f"block format of the trained matrices in OUT/draft.gguf ({d.gguf_type}; beside the Q8_0 embedding, Q5_1 fits six layers in 50 MB, Q4_1 eight)")
+        help=f"block format of the trained matrices in OUT/draft.gguf ({d.gguf_type}; beside the Q8_0 embedding, "
+             "Q5_1 fits six layers in 50 MB, Q4_1 eight)")
     add("--threads", type=int, default=None, help="torch threads (default: all cores)")
     add("--resume", action="store_true", help="continue an interrupted run in --out")
     add("--data-only", action="store_true", help="stop after generating the teacher data")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from batchspec.errors import BatchspecError
+from batchspec.precision import resolve_dtype
 
 if TYPE_CHECKING:
     from batchspec.distill import DistillConfig
@@ -163,8 +164,6 @@ def train(cfg: DistillConfig, model: torch.nn.Module, samples: list[dict[str, to
     The first 5 % of the samples (in shard order) are held out for the logged validation KL / top-1.
     """
     from tqdm import tqdm
-
-    from batchspec.precision import resolve_dtype
 
     dtype = resolve_dtype(cfg.train_dtype)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from batchspec.bench_report import baselines_by_name
+
 SWEEP_AXES = ("batch_size", "k", "extra", "capacity")
 AXIS_LABELS = {"tau": "sprinter threshold tau (verifier probability)",
                "batch_size": "batch size B (requests)", "k": "window k (draft tokens)",
@@ -55,8 +57,6 @@ def plot_throughput(results: dict, path: Path) -> Path:
     policies = [p for p in _policies(results) if any(r["policy"] == p for r in runs)]
     values = [[r["tokens_per_s"] for r in runs if r["policy"] == p] for p in policies]
     colors = [_color(p) for p in policies]
-    from batchspec.bench_report import baselines_by_name
-
     for trials in baselines_by_name(results).values():  # transformers rows, one per trial
         kind = "assisted" if "assisted" in trials[0]["policy"] else "generate"
         policies.append(f"transformers\n{kind}\nB={trials[0]['batch_size']}")
