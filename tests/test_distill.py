@@ -78,8 +78,21 @@ def test_resume_continues_from_checkpoint(tiny_target, tmp_path):
     longer = DistillConfig(target=str(tiny_target), **{**TINY, "steps": 45})
     log = run_distill(longer, out, resume=True, prompts=PROMPTS)["log"]
     assert [entry["step"] for entry in log] == [0, 15, 30, 45]  # the first 30 steps were not redone
+    assert json.loads((out / "work" / "checkpoint.json").read_text())["held_out"] == 1  # 5 % of 8 samples, >= 1
     with pytest.raises(BatchspecError, match="different settings"):
         run_distill(DistillConfig(target=str(tiny_target), **{**TINY, "hidden": 64}), out, resume=True)
+
+
+def test_held_out_samples_stay_fixed_when_data_grows(tmp_path):
+    """A run resumed on more teacher data keeps the held-out set it started with (new shards sort after it), so
+    its validation figures never score samples it trained on."""
+    from batchspec.distill_train import held_out_count
+
+    assert held_out_count(tmp_path, 4331) == 216  # no checkpoint yet: 5 % of the data
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"step": 2000, "log": [], "held_out": 216}))
+    assert held_out_count(tmp_path, 8000) == 216
+    (tmp_path / "checkpoint.json").write_text(json.dumps({"step": 2000, "log": []}))  # written before it was kept
+    assert held_out_count(tmp_path, 8000) == 400
 
 
 def test_interrupted_run_resumes_exactly(tiny_target, tmp_path, monkeypatch):
@@ -89,8 +102,8 @@ def test_interrupted_run_resumes_exactly(tiny_target, tmp_path, monkeypatch):
     straight = run_distill(cfg, tmp_path / "a", prompts=PROMPTS)["log"]
     save = distill_train.save_checkpoint
 
-    def save_then_interrupt(work, model, optimizer, step, log):
-        save(work, model, optimizer, step, log)
+    def save_then_interrupt(work, model, optimizer, step, log, held_out):
+        save(work, model, optimizer, step, log, held_out)
         if step == 15:
             raise KeyboardInterrupt
 

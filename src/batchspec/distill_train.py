@@ -116,7 +116,7 @@ def _lr_at(step: int, cfg: DistillConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def save_checkpoint(work: Path, model, optimizer, step: int, log: list[dict]) -> None:
+def save_checkpoint(work: Path, model, optimizer, step: int, log: list[dict], held_out: int) -> None:
     tensors = {f"model.{n}": p.detach().contiguous() for n, p in model.named_parameters()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, state in optimizer.state.items():
@@ -125,7 +125,15 @@ def save_checkpoint(work: Path, model, optimizer, step: int, log: list[dict]) ->
     tmp = work / "checkpoint.tmp"
     save_file(tensors, tmp)
     tmp.rename(work / "checkpoint.safetensors")
-    (work / "checkpoint.json").write_text(json.dumps({"step": step, "log": log}))
+    (work / "checkpoint.json").write_text(json.dumps({"step": step, "log": log, "held_out": held_out}))
+
+
+def held_out_count(work: Path, samples: int) -> int:
+    """How many leading samples are held out: 5 % of the data training started on (checkpoints from before this
+    was recorded: 5 % of the data now)."""
+    checkpoint = work / "checkpoint.json"
+    recorded = json.loads(checkpoint.read_text()).get("held_out") if checkpoint.is_file() else None
+    return recorded if recorded is not None else max(1, samples // 20)
 
 
 def load_checkpoint(work: Path, model, optimizer) -> tuple[int, list[dict]]:
@@ -161,7 +169,9 @@ def train(cfg: DistillConfig, model: torch.nn.Module, samples: list[dict[str, to
     resuming from `work/checkpoint.*`; returns (model, log). `head`: the draft's head vocabulary (sorted ids) or
     None for the full vocabulary.
 
-    The first 5 % of the samples (in shard order) are held out for the logged validation KL / top-1.
+    The first 5 % of the samples (in shard order) are held out for the logged validation KL / top-1. That count is
+    fixed when training starts (kept in the checkpoint): a run resumed on more teacher data — new shards sort after
+    the first ones — keeps the same held-out samples and trains on all of the new ones.
     """
     from tqdm import tqdm
 
@@ -169,7 +179,7 @@ def train(cfg: DistillConfig, model: torch.nn.Module, samples: list[dict[str, to
 
     if len(samples) < 2:
         raise BatchspecError(f"too little teacher data in {work / 'data'} ({len(samples)} samples)")
-    held_out = max(1, len(samples) // 20)
+    held_out = held_out_count(work, len(samples))
     val_idx, train_idx = list(range(held_out)), list(range(held_out, len(samples)))
     max_len = cfg.max_prompt_tokens + cfg.gen_tokens
     lengths = [min(max_len, len(samples[i]["prompt"]) + len(samples[i]["response"]) - 1) for i in train_idx]
@@ -205,8 +215,8 @@ def train(cfg: DistillConfig, model: torch.nn.Module, samples: list[dict[str, to
             val = evaluate(model, samples, val_idx, cfg, pad_id, head, dtype)
             model.train()
             log.append({"step": step, "train_kl": stats["kl"], **{f"val_{k}": v for k, v in val.items()}})
-            save_checkpoint(work, model, optimizer, step, log)
+            save_checkpoint(work, model, optimizer, step, log, held_out)
     bar.close()
     if not (work / "checkpoint.json").is_file():  # steps == 0 on a fresh run
-        save_checkpoint(work, model, optimizer, step, log)
+        save_checkpoint(work, model, optimizer, step, log, held_out)
     return model.eval(), log
