@@ -207,7 +207,9 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
         help=f"block format of the trained matrices in OUT/draft.gguf ({d.gguf_type}; beside the Q8_0 embedding, "
              "Q5_1 fits six layers in 50 MB, Q4_1 eight)")
     add("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    add("--resume", action="store_true", help="continue an interrupted run in --out")
+    add("--resume", action="store_true",
+        help="continue the run in --out: an interrupted one, or one given more --num-prompts / --forced-prompts "
+             "(new teacher data, the held-out set kept) or more --steps")
     add("--data-only", action="store_true", help="stop after generating the teacher data")
     add("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(run=cmd_distill)
