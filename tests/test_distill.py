@@ -178,6 +178,20 @@ def test_stdlib_prompts_are_seeded_and_prefix_stable():
     assert build_prompts(6, seed=4) != few
 
 
+def test_prompts_go_on_into_the_next_pool_only_when_the_first_is_used_up():
+    def pool(prefix, n):
+        return lambda: tuple(("complete", f"def {prefix}{i}(x):\n    \"\"\"Doc {i}.\"\"\"\n") for i in range(n))
+
+    def unread():
+        raise AssertionError("the second pool is read before the first is used up")
+
+    first = build_prompts(5, seed=1, pools=(pool("a", 5), unread))
+    both = build_prompts(8, seed=1, pools=(pool("a", 5), pool("b", 3)))
+    assert both[:5] == first and all("def b" in p for p in both[5:])
+    with pytest.raises(BatchspecError, match="only 8 prompts"):
+        build_prompts(9, seed=1, pools=(pool("a", 5), pool("b", 3)))
+
+
 def test_draft_with_other_tokenizer_is_refused(tiny_model_factory):
     target_dir = tiny_model_factory(name="target")
     other_dir = tiny_model_factory(name="other")

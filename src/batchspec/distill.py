@@ -169,7 +169,8 @@ def add_distill_parser(subparsers) -> argparse.ArgumentParser:
     d = DistillConfig()
     p = subparsers.add_parser(
         "distill", help="train a small draft model for a target by distillation",
-        description="Generate teacher data with the target from standard-library prompts (never HumanEval), then "
+        description="Generate teacher data with the target from prompts built from Python functions (the standard "
+                    "library's ~12,400, then those of batchspec's pinned dependencies; never HumanEval), then "
                     "train a small Llama draft on the target's top-k distributions. Resumable (--resume).")
     p.add_argument("--target", default="default", help="target model: 'default', a GGUF file or an HF directory")
     p.add_argument("--out", required=True, help="output directory: the draft model, plus work/ (data, checkpoints)")
@@ -251,7 +252,7 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
                 data_only: bool = False, prompts: list[str] | None = None) -> dict:
     """The library entry point: all three stages, then export. Returns a summary (also written to work/).
 
-    `prompts` replaces the standard-library prompts (user data; tests use a handful).
+    `prompts` replaces the built-in prompts (user data; tests use a handful).
     """
     from batchspec.default_models import default_target_path
     from batchspec.gguf_export import write_draft_gguf

