@@ -245,41 +245,45 @@ def load_samples(data_dir: Path) -> list[dict[str, torch.Tensor]]:
 
 def make_teacher_data(cfg: DistillConfig, target, work: Path, progress: bool,
                       prompts: list[str] | None = None) -> Path:
+    """Generate the shards of teacher data that `work/data` lacks; prompts are built only when one is missing."""
     from tqdm import tqdm
 
     data_dir = work / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    prompts = build_prompts(cfg.num_prompts, cfg.seed) if prompts is None else prompts[:cfg.num_prompts]
     tok = target.tokenizer
     # Prompts are clipped so that prompt + answer fits the target's context.
     prompt_limit = min(cfg.max_prompt_tokens, target.config.max_position_embeddings - cfg.gen_tokens - 1)
     if prompt_limit < 8:
         raise BatchspecError(f"--gen-tokens {cfg.gen_tokens} leaves no room for prompts in the target's context "
                              f"of {target.config.max_position_embeddings} tokens")
-    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))[:prompt_limit]
-               for p in prompts]
-    rng = random.Random(cfg.seed + 1)
-    temperatures = [1.0 if rng.random() < cfg.sample_fraction else 0.0 for _ in prompts]
-    shards = range(math.ceil(len(prompts) / cfg.shard_size))
-    bar = tqdm(shards, desc="teacher data", unit="shard", disable=not progress)
-    for index in bar:
-        path = data_dir / f"shard-{index:05d}.safetensors"
-        if path.is_file():
-            continue
+
+    def encode(request: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": request}]))
+
+    def missing(prefix: str, count: int, per_shard: int) -> tuple[list[int], int]:
+        total = math.ceil(count / per_shard)
+        return [i for i in range(total) if not (data_dir / f"{prefix}-{i:05d}.safetensors").is_file()], total
+
+    count = cfg.num_prompts if prompts is None else len(prompts[:cfg.num_prompts])
+    todo, total = missing("shard", count, cfg.shard_size)
+    if todo:
+        prompts = build_prompts(cfg.num_prompts, cfg.seed) if prompts is None else prompts[:cfg.num_prompts]
+        rng = random.Random(cfg.seed + 1)
+        temperatures = [1.0 if rng.random() < cfg.sample_fraction else 0.0 for _ in prompts]
+    for index in tqdm(todo, desc="teacher data", unit="shard", total=total, initial=total - len(todo),
+                      disable=not progress):
         part = slice(index * cfg.shard_size, (index + 1) * cfg.shard_size)
-        samples = teacher_generate(target, encoded[part], cfg.gen_tokens, temperatures[part], cfg.top_k,
-                                   seed=cfg.seed * 7919 + index)
-        _save_shard(path, samples)
-    if cfg.forced_prompts:
+        samples = teacher_generate(target, [encode(p)[:prompt_limit] for p in prompts[part]], cfg.gen_tokens,
+                                   temperatures[part], cfg.top_k, seed=cfg.seed * 7919 + index)
+        _save_shard(data_dir / f"shard-{index:05d}.safetensors", samples)
+    per_shard = max(1, cfg.shard_size // 4)  # ~4x longer sequences per forward than a decode step
+    todo, total = missing("shard-forced", cfg.forced_prompts, per_shard)
+    if todo:
         eos = tok.eos_token or ""
-        pairs = [(tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])), tok.encode(a + eos))
-                 for q, a in build_forced_pairs(cfg.forced_prompts, cfg.seed)]
-        pairs = [(q[:prompt_limit], a[:cfg.gen_tokens]) for q, a in pairs]
-        per_shard = max(1, cfg.shard_size // 4)  # ~4x longer sequences per forward than a decode step
-        for index in tqdm(range(math.ceil(len(pairs) / per_shard)), desc="teacher-forced data", unit="shard",
-                          disable=not progress):
-            path = data_dir / f"shard-forced-{index:05d}.safetensors"
-            if not path.is_file():
-                _save_shard(path, teacher_force(target, pairs[index * per_shard:(index + 1) * per_shard],
-                                                cfg.top_k))
+        pairs = build_forced_pairs(cfg.forced_prompts, cfg.seed)
+    for index in tqdm(todo, desc="teacher-forced data", unit="shard", total=total, initial=total - len(todo),
+                      disable=not progress):
+        encoded = [(encode(q)[:prompt_limit], tok.encode(a + eos)[:cfg.gen_tokens])
+                   for q, a in pairs[index * per_shard:(index + 1) * per_shard]]
+        _save_shard(data_dir / f"shard-forced-{index:05d}.safetensors", teacher_force(target, encoded, cfg.top_k))
     return data_dir
