@@ -89,12 +89,8 @@ class Engine:
     def encode_prompt(self, prompt: Prompt, chat: bool) -> list[int]:
         tokenizer = self.target.tokenizer
         if isinstance(prompt, list):
-            text = tokenizer.apply_chat_template(prompt)
-        elif chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        else:
-            text = prompt
-        return tokenizer.encode(text)
+            return tokenizer.encode(tokenizer.apply_chat_template(prompt))
+        return tokenizer.encode_user_message(prompt) if chat else tokenizer.encode(prompt)
 
     @property
     def context_length(self) -> int:

@@ -257,14 +257,11 @@ def make_teacher_data(cfg: DistillConfig, target, work: Path, progress: bool,
         raise BatchspecError(f"--gen-tokens {cfg.gen_tokens} leaves no room for prompts in the target's context "
                              f"of {target.config.max_position_embeddings} tokens")
 
-    def encode(request: str) -> list[int]:
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": request}]))
-
     def missing(prefix: str, count: int, per_shard: int) -> tuple[list[int], int]:
         total = math.ceil(count / per_shard)
         return [i for i in range(total) if not (data_dir / f"{prefix}-{i:05d}.safetensors").is_file()], total
 
-    count = cfg.num_prompts if prompts is None else len(prompts[:cfg.num_prompts])
+    count = cfg.num_prompts if prompts is None else min(cfg.num_prompts, len(prompts))
     todo, total = missing("shard", count, cfg.shard_size)
     if todo:
         prompts = build_prompts(cfg.num_prompts, cfg.seed) if prompts is None else prompts[:cfg.num_prompts]
@@ -273,8 +270,9 @@ def make_teacher_data(cfg: DistillConfig, target, work: Path, progress: bool,
     for index in tqdm(todo, desc="teacher data", unit="shard", total=total, initial=total - len(todo),
                       disable=not progress):
         part = slice(index * cfg.shard_size, (index + 1) * cfg.shard_size)
-        samples = teacher_generate(target, [encode(p)[:prompt_limit] for p in prompts[part]], cfg.gen_tokens,
-                                   temperatures[part], cfg.top_k, seed=cfg.seed * 7919 + index)
+        encoded = [tok.encode_user_message(p)[:prompt_limit] for p in prompts[part]]
+        samples = teacher_generate(target, encoded, cfg.gen_tokens, temperatures[part], cfg.top_k,
+                                   seed=cfg.seed * 7919 + index)
         _save_shard(data_dir / f"shard-{index:05d}.safetensors", samples)
     per_shard = max(1, cfg.shard_size // 4)  # ~4x longer sequences per forward than a decode step
     todo, total = missing("shard-forced", cfg.forced_prompts, per_shard)
@@ -283,7 +281,7 @@ def make_teacher_data(cfg: DistillConfig, target, work: Path, progress: bool,
         pairs = build_forced_pairs(cfg.forced_prompts, cfg.seed)
     for index in tqdm(todo, desc="teacher-forced data", unit="shard", total=total, initial=total - len(todo),
                       disable=not progress):
-        encoded = [(encode(q)[:prompt_limit], tok.encode(a + eos)[:cfg.gen_tokens])
+        encoded = [(tok.encode_user_message(q)[:prompt_limit], tok.encode(a + eos)[:cfg.gen_tokens])
                    for q, a in pairs[index * per_shard:(index + 1) * per_shard]]
         _save_shard(data_dir / f"shard-forced-{index:05d}.safetensors", teacher_force(target, encoded, cfg.top_k))
     return data_dir

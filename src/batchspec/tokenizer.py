@@ -65,6 +65,10 @@ class Tokenizer:
         # Chat templates already contain their special tokens, so never add more here.
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_user_message(self, content: str) -> list[int]:
+        """One user turn in the chat template, with the generation prompt, as token ids."""
+        return self.encode(self.apply_chat_template([{"role": "user", "content": content}]))
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
