@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from batchspec.default_models import default_draft_dir
+from batchspec.known_models import default_draft_dir
 from batchspec.engine import Engine, configure_threads
 from batchspec.loading import check_draft_compatible, load_model
 from batchspec.profiling import machine_description

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchspec import default_models
+from batchspec.fetching import fetch
+from batchspec.known_models import DEFAULT_TARGET
 from batchspec.loading import TOKENIZER_FILES, load_model, resolve_model_dir
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -17,7 +18,7 @@ torch.set_num_threads(max(1, torch.get_num_threads()))
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    default_models.fetch(quiet=True)  # a no-op once fetched; `make test` fetches before pytest starts
+    fetch(DEFAULT_TARGET)  # a no-op once fetched; `make test` fetches before pytest starts
     return resolve_model_dir("default")
 
 

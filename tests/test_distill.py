@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from batchspec.default_models import default_draft_dir
+from batchspec.known_models import default_draft_dir
 from batchspec.distill import DistillConfig, run_distill
 from batchspec.teacher_data import build_prompts
 from batchspec.errors import BatchspecError
@@ -221,11 +221,11 @@ def test_default_draft_is_a_small_model():
 
 
 def test_missing_default_draft_is_a_clear_error(monkeypatch, tmp_path):
-    import batchspec.default_models as default_models
+    import batchspec.known_models as known_models
 
-    monkeypatch.setattr(default_models, "DEFAULT_DRAFT_DIR_NAME", "no-such-draft")
+    monkeypatch.setattr(known_models, "DEFAULT_DRAFT_DIR_NAME", "no-such-draft")
     with pytest.raises(BatchspecError, match="default draft is missing"):
-        default_models.default_draft_dir()
+        known_models.default_draft_dir()
 
 
 def test_cli_options_are_validated():
@@ -249,7 +249,7 @@ def test_cli_options_are_validated():
 
 def test_shipped_verifier_belongs_to_the_shipped_draft():
     """Replacing the default draft without re-collecting its SPRINTER verifier would break `--verifier default`."""
-    from batchspec.default_models import default_verifier_dir
+    from batchspec.known_models import default_verifier_dir
     from batchspec.sprinter import load_verifier
 
     load_verifier(default_verifier_dir(), draft=load_model(default_draft_dir()))  # raises if the weights differ

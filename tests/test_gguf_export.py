@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchspec.default_models import default_target_path
+from batchspec.known_models import default_target_path
 from batchspec.gguf_export import permute_rope, write_draft_gguf
 from batchspec.loading import check_draft_compatible, load_model, unpermute_rope
 

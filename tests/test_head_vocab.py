@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec import Engine, SamplingParams
-from batchspec.default_models import default_target_path
+from batchspec.known_models import default_target_path
 from batchspec.errors import BatchspecError
 from batchspec.gguf_export import write_draft_gguf
 from batchspec.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab

@@ -72,16 +72,50 @@ def test_packed_weights_are_made_once_per_matrix():  # the pinned x86 PyTorch wh
     assert len(packed) == 0
 
 
-def test_a_model_packs_every_matrix_up_front(tiny_model_factory):
+def test_a_model_packs_every_matrix_up_front_and_keeps_one_copy(tiny_model_factory):
+    from batchspec.linear import dense
     from batchspec.loading import load_transformer
 
     model = load_transformer(tiny_model_factory())
+    originals = [dense(getattr(layer, name)).clone() for layer in model.layers for name in layer.MATRICES]
+    cache = model.new_cache(1, 16)
+    tokens = torch.tensor([5, 6, 7])
     model.linear_backend = "mkl"
     model.pack_weights()
-    assert len(model.packed_weights) == 0  # nothing to pack for MKL
+    assert len(model.packed_weights) == 0 and not model.layers[0].wqkv.is_mkldnn  # nothing to pack for MKL
+    before = model.forward(cache, torch.tensor([cache.allocate()]), torch.tensor([3]), tokens).logits
     model.linear_backend = "onednn"
     model.pack_weights()
-    assert len(model.packed_weights) == 4 * model.config.num_layers + 1  # qkv, o, gate/up, down; the head
+    # The layer matrices are replaced by their packed form (one copy of the weights, not two); the head, which
+    # is the tied embedding here, gets a packed copy.
+    assert all(getattr(layer, name).is_mkldnn for layer in model.layers for name in layer.MATRICES)
+    assert len(model.packed_weights) == 1
+    assert all(torch.equal(dense(getattr(layer, name)), original) for (layer, name), original in
+               zip(((layer, name) for layer in model.layers for name in layer.MATRICES), originals))
     cache = model.new_cache(1, 16)
-    model.forward(cache, torch.tensor([cache.allocate()]), torch.tensor([3]), torch.tensor([5, 6, 7]))
-    assert len(model.packed_weights) == 4 * model.config.num_layers + 1  # the forward made no new copies
+    after = model.forward(cache, torch.tensor([cache.allocate()]), torch.tensor([3]), tokens).logits
+    assert len(model.packed_weights) == 1  # the forward made no new copies
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    model.linear_backend = "mkl"  # a packed model still runs under MKL (on dense copies made per call)
+    cache = model.new_cache(1, 16)
+    torch.testing.assert_close(model.forward(cache, torch.tensor([cache.allocate()]), torch.tensor([3]),
+                                             tokens).logits, before, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_weights_multiply_as_their_dequantised_values_and_rows_stay_independent():
+    from batchspec.linear import Int8Weight, dense
+
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = 0.05 * torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen).bfloat16()
+    quantized = Int8Weight.quantize(weight)
+    assert quantized.values.dtype == torch.int8 and quantized.shape == weight.shape
+    # Symmetric per-row rounding: every value within half a step of its row's scale.
+    step = quantized.scales.float()[:, None]
+    assert bool(((dense(quantized) - weight).abs() <= 0.5 * step * (1 + 1e-5)).all())
+    x = torch.randn(16, 64, generator=gen).bfloat16()
+    out = linear(x, quantized, bias)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(x.float(), dense(quantized), bias.float()), atol=0.05, rtol=0.02)
+    # Batch invariance, bit for bit: no activation quantization, so a row's result ignores its neighbours.
+    for rows in (1, 3, 5):
+        assert torch.equal(linear(x[:rows], quantized, bias), out[:rows])

@@ -72,7 +72,7 @@ def test_default_model_matches_transformers(default_model, default_model_dir, ba
 
 def test_gguf_dequantisation_matches_transformers_gguf_loader(default_model, default_model_dir):
     """transformers dequantises the GGUF file by itself: this checks our conversion (incl. the q/k un-permute)."""
-    from batchspec.default_models import default_target_path
+    from batchspec.known_models import default_target_path
 
     gguf_path = default_target_path()
     ids = default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")

@@ -96,7 +96,7 @@ def test_speculative_policy_needs_a_draft(default_model):
 @pytest.mark.parametrize("policy", ["sd", "tetris"])
 def test_bfloat16_draft_stays_lossless(default_model, ar_outputs, policy):
     # The shipped draft in bfloat16 (the `auto` choice on CPUs with native bfloat16): only the target decides.
-    from batchspec.default_models import default_draft_dir
+    from batchspec.known_models import default_draft_dir
 
     draft = load_model(default_draft_dir(), dtype=torch.bfloat16)
     engine = Engine(default_model, draft, SpecConfig(policy=policy, k=3, extra=2), max_batch_size=3)

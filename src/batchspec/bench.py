@@ -20,8 +20,7 @@ from batchspec.bench_report import POINT_FIELDS, TABLE_FIELDS, format_table, sum
 from batchspec.engine import Engine
 from batchspec.errors import BatchspecError
 from batchspec.loading import LoadedModel
-from batchspec.profiling import machine_description
-from batchspec.precision import dtype_name
+from batchspec.profiling import machine_description, peak_rss_mib
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts, load_prompts_file, sharegpt_prompts
 from batchspec.sampling import SamplingParams
 from batchspec.selection import LOSSLESS_POLICIES, POLICIES
@@ -212,7 +211,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
         run["match_ar"] = (sum(a == b for a, b in zip(mine, reference)) / len(mine)) if reference else None
     if lossy:
         _add_quality(runs, outputs, texts, target, prompt_ids)
-    results = {"config": {**_config_dict(config, target, draft, len(prompts)), "skipped_prompts": skipped},
+    results = {"config": {**_config_dict(config, target, draft, len(prompts)), "skipped_prompts": skipped,
+                          "peak_rss_mib": peak_rss_mib()},
                "runs": runs, "baselines": baselines}
     if recorder is not None:
         _save_trace(recorder, traced_requests, results)
@@ -261,7 +261,8 @@ def _config_dict(config: BenchConfig, target: LoadedModel, draft: LoadedModel | 
     out["num_prompts"] = num_prompts
     out["target"] = str(target.model_dir)
     out["draft"] = str(draft.model_dir) if draft is not None else None
-    out["draft_dtype"] = dtype_name(draft.transformer.dtype) if draft is not None else None
+    out["target_dtype"] = target.transformer.precision
+    out["draft_dtype"] = draft.transformer.precision if draft is not None else None
     out["linear_backend"] = target.transformer.linear_backend
     out["torch"] = torch.__version__
     out["threads"] = torch.get_num_threads()

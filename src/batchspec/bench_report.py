@@ -47,9 +47,12 @@ def format_table(results: dict) -> str:
     # Absolute tokens/s depend on the CPU (sessions and users land on different ones): say which one this was.
     lines = []
     if config.get("machine"):
+        target = f", target in {config['target_dtype']}" if config.get("target_dtype") else ""
         draft = f", draft in {config['draft_dtype']}" if config.get("draft_dtype") else ""
         linears = f", linear layers in {config['linear_backend']}" if config.get("linear_backend") else ""
-        lines.append(f"measured on {config['machine']}, torch {config.get('torch', '?')}{draft}{linears}")
+        memory = f", peak memory {config['peak_rss_mib'] / 1024:.2f} GiB" if config.get("peak_rss_mib") else ""
+        lines.append(f"measured on {config['machine']}, torch {config.get('torch', '?')}{target}{draft}{linears}"
+                     f"{memory}")
     for point in dict.fromkeys(r["point"] for r in ours):
         group = [r for r in ours if r["point"] == point]
         lines += ([f"[{point}]"] if point else []) + [header]
@@ -97,16 +100,26 @@ def baseline_rows(results: dict) -> list[dict]:
 
 
 def baseline_ratios(results: dict) -> str | None:
-    """batchspec's fastest policy (first sweep point) over each transformers baseline: medians of tokens/s."""
-    baselines = baseline_rows(results)
+    """batchspec's fastest policy over each transformers baseline of the same batch size (medians of tokens/s).
+
+    Like with like: a batch-1 baseline is compared with a batch-1 run of ours only (a sweep point or the bench's
+    own batch size), never with a batched run; a baseline without a same-size run of ours gets no ratio.
+    """
+    baselines = [b for b in baseline_rows(results) if b["tokens_per_s"]]
     ours = [r for r in summary_rows(results) if r["tokens_per_s"]]
     if not baselines or not ours:
         return None
-    first = [r for r in ours if r["point"] == ours[0]["point"]]
-    best = max(first, key=lambda r: r["tokens_per_s"])
-    parts = [f"{best['policy']}/{b['policy']} = {best['tokens_per_s'] / b['tokens_per_s']:.2f}x"
-             for b in baselines if b["tokens_per_s"]]
-    return "best batchspec policy vs transformers: " + ", ".join(parts)
+    swept = list(results["config"].get("sweep") or {})
+    labels = {(_point_label(run, swept), run["policy"]): run["batch_size"] for run in results["runs"]}
+    parts = []
+    for baseline in baselines:
+        same = [r for r in ours if labels.get((r["point"], r["policy"])) == baseline["batch_size"]]
+        if not same:
+            continue
+        best = max(same, key=lambda r: r["tokens_per_s"])
+        parts.append(f"{best['policy']}/{baseline['policy']} = {best['tokens_per_s'] / baseline['tokens_per_s']:.2f}x "
+                     f"(batch {baseline['batch_size']})")
+    return ("best batchspec policy vs transformers at the same batch size: " + ", ".join(parts)) if parts else None
 
 
 def write_results(results: dict, out_dir: Path, plots: bool = True) -> list[Path]:

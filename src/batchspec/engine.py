@@ -18,7 +18,7 @@ from batchspec import speculative, speculative_step
 from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
 from batchspec.loading import LoadedModel, check_draft_compatible, load_model
-from batchspec.precision import resolve_dtype
+from batchspec.precision import DEFAULT_TARGET_DTYPE
 from batchspec.metrics import RunStats, summarize
 from batchspec.request import GenerationOutput, Request, commit_tokens, output_of
 from batchspec.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
@@ -61,6 +61,10 @@ class Engine:
         self.draft = draft
         for model in (target, draft) if draft is not None else (target,):
             model.transformer.pack_weights()  # oneDNN's layout now, not on the first request
+        if draft is not None and draft is not target:
+            # The draft only proposes: its rounding may depend on the batch (faster bfloat16 kernels), the
+            # target's may not (`Transformer.batch_invariant`).
+            draft.transformer.batch_invariant = False
         self.max_batch_size = max_batch_size
         self.prefill_tokens = prefill_tokens
         self.seed = seed
@@ -78,10 +82,10 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = None, draft_dtype: str = "auto",
-                        **kwargs) -> Engine:
-        """Load both models by name or path; the draft in `draft_dtype` (`precision.resolve_dtype`)."""
+                        target_dtype: str = DEFAULT_TARGET_DTYPE, **kwargs) -> Engine:
+        """Load both models by name or path, each in its dtype (`precision.PRECISIONS`; the draft also `auto`)."""
         configure_threads()
-        return cls(load_model(target), load_model(draft, dtype=resolve_dtype(draft_dtype)) if draft else None,
+        return cls(load_model(target, dtype=target_dtype), load_model(draft, dtype=draft_dtype) if draft else None,
                    **kwargs)
 
     # --- prompts -> requests -------------------------------------------------------------------------------------

@@ -14,22 +14,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-from batchspec import default_models
+from batchspec import known_models
+from batchspec.fetching import sha256_of
 from batchspec.config import ModelConfig
 from batchspec.errors import BatchspecError
 from batchspec.head_vocab import GGUF_KEY as HEAD_VOCAB_GGUF_KEY, HEAD_VOCAB_FILE, read_head_vocab, write_head_vocab
 from batchspec.model import Transformer
+from batchspec.precision import compute_dtype, dtype_name, resolve_precision
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
 
 
 def resolve_model_dir(spec: str | Path) -> Path:
-    """`default`, a GGUF file or an HF directory -> an HF-format directory (converting a GGUF file if needed)."""
-    path = default_models.default_target_path() if str(spec) == "default" else Path(spec).expanduser()
+    """`default`, a known model's name (`known_models.KNOWN_MODELS`), a GGUF file or an HF directory -> an HF-format
+    directory (converting a GGUF file if needed)."""
+    path = known_models.local_path(str(spec)) if known_models.is_known_name(spec) else Path(spec).expanduser()
     if not path.exists():
         raise BatchspecError(f"model path not found: {path}")
     if path.is_dir():
@@ -41,9 +44,17 @@ def resolve_model_dir(spec: str | Path) -> Path:
     raise BatchspecError(f"unrecognised model file {path}: expected a directory with config.json or a .gguf file")
 
 
-def load_transformer(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
                      full_head: bool = False) -> Transformer:
-    """The model in an HF directory; its LM head restricted to the stored head vocabulary unless `full_head`."""
+    """The model in an HF directory; its LM head restricted to the stored head vocabulary unless `full_head`.
+
+    dtype: a float type, or a precision name (`precision.PRECISIONS`: float32, bfloat16, int8; `auto`).
+
+    Tensors are read one at a time from the memory-mapped files and converted to `dtype` on the way, and the fused
+    matrices replace their parts as they are built, so loading never holds the weights twice.
+    """
+    precision = resolve_precision(dtype) if isinstance(dtype, str) else dtype_name(dtype)
+    dtype = compute_dtype(precision)
     config = ModelConfig.from_file(model_dir / "config.json")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -51,17 +62,20 @@ def load_transformer(model_dir: Path, dtype: torch.dtype = torch.float32, device
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            part = load_file(file, device=device)
+            with safe_open(str(file), framework="pt", device=device) as f:
+                for name in f.keys():
+                    weights[name] = f.get_tensor(name).to(dtype)
         except (SafetensorError, OSError, ValueError) as bad:
             raise BatchspecError(f"cannot read weights {file}: {bad}") from None
-        weights.update({name: t.to(dtype) for name, t in part.items()})
-    transformer = Transformer.from_hf_state_dict(config, weights)
+    transformer = Transformer.from_hf_state_dict(config, weights, consume=True)
     head_ids = None if full_head else read_head_vocab(model_dir)
     if head_ids is not None:
         try:
             transformer.restrict_head(head_ids)
         except BatchspecError as bad:
             raise BatchspecError(f"{model_dir / HEAD_VOCAB_FILE}: {bad}") from None
+    if precision == "int8":
+        transformer.quantize_int8()
     return transformer
 
 
@@ -170,8 +184,8 @@ def gguf_state_dict(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
 
 def convert_gguf(path: Path) -> Path:
     """Convert a GGUF file once into an HF directory under the cache; return that directory."""
-    digest = default_models.sha256_of(path)
-    target = default_models.cache_root() / "converted" / f"{path.stem}-{digest[:16]}"
+    digest = sha256_of(path)
+    target = known_models.cache_root() / "converted" / f"{path.stem}-{digest[:16]}"
     if (target / "model.safetensors").is_file():
         return target
     try:
@@ -181,13 +195,18 @@ def convert_gguf(path: Path) -> Path:
     except Exception as bad:  # the gguf package raises bare ValueError/struct/memmap errors on corrupt files
         raise BatchspecError(f"cannot read GGUF file {path}: {bad}") from None
     config = gguf_config(reader)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    needed = 4 * sum(int(t.n_elements) for t in reader.tensors)  # float32 safetensors
+    free = shutil.disk_usage(target.parent).free
+    if free < needed:
+        raise BatchspecError(f"not enough disk to convert {path.name}: {needed / 2**30:.2f} GiB needed in "
+                             f"{target.parent}, {free / 2**30:.2f} GiB free")
     try:
         weights = gguf_state_dict(reader, config)
     except BatchspecError:
         raise
     except Exception as bad:
         raise BatchspecError(f"cannot dequantise GGUF file {path}: {bad}") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staging = Path(tmp)
         (staging / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
@@ -247,9 +266,10 @@ class LoadedModel:
         return frozenset(int(i) for i in ids)
 
 
-def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
                full_head: bool = False) -> LoadedModel:
-    """Load `default`, a GGUF file or an HF directory: weights into the native runtime, plus the tokenizer.
+    """Load `default`, a known model's name, a GGUF file or an HF directory: weights into the native runtime (in
+    `dtype`: a float type or a precision name, see `load_transformer`), plus the tokenizer.
 
     A draft that ships a head vocabulary (`head_vocab.py`) scores only those tokens unless `full_head`.
     """
@@ -261,7 +281,7 @@ def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, device: str
     if tokenizer.vocab_size > transformer.config.vocab_size:
         raise BatchspecError(f"tokenizer of {model_dir} has {tokenizer.vocab_size} tokens but the model only "
                              f"{transformer.config.vocab_size}")
-    name = "default" if str(spec) == "default" else Path(spec).name
+    name = str(spec) if known_models.is_known_name(spec) else Path(spec).name
     return LoadedModel(name, model_dir, transformer, tokenizer)
 
 

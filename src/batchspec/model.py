@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,18 +25,27 @@ import torch.nn.functional as F
 from batchspec.config import ModelConfig, rope_type
 from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
-from batchspec.linear import PackedWeights, default_backend, linear
+from batchspec.linear import Int8Weight, PackedWeights, default_backend, linear
 
 
 @dataclass
 class LayerWeights:
+    """One block's weights. The four matrices may be in oneDNN's packed layout (`Transformer.pack_weights`) or
+    weight-only int8 (`Transformer.quantize_int8`); `linear.dense` gives their values either way."""
+
     attn_norm: torch.Tensor  # (hidden,)
-    wqkv: torch.Tensor  # ((H + 2*KV) * D, hidden)
+    wqkv: torch.Tensor | Int8Weight  # ((H + 2*KV) * D, hidden)
     bqkv: torch.Tensor | None  # ((H + 2*KV) * D,) — Qwen2 only
-    wo: torch.Tensor  # (hidden, H * D)
+    wo: torch.Tensor | Int8Weight  # (hidden, H * D)
     mlp_norm: torch.Tensor  # (hidden,)
-    w_gate_up: torch.Tensor  # (2 * intermediate, hidden)
-    w_down: torch.Tensor  # (hidden, intermediate)
+    w_gate_up: torch.Tensor | Int8Weight  # (2 * intermediate, hidden)
+    w_down: torch.Tensor | Int8Weight  # (hidden, intermediate)
+
+    MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+    def map_matrices(self, fn) -> LayerWeights:
+        """A copy with `fn` applied to each of the four matrices (the norms and bias shared)."""
+        return replace(self, **{name: fn(getattr(self, name)) for name in self.MATRICES})
 
 
 @dataclass
@@ -97,6 +106,9 @@ class Transformer:
         self.rope_cos, self.rope_sin = self._rope_tables(config.max_position_embeddings)
         self.linear_backend = default_backend()  # "mkl" or "onednn" (`batchspec.linear`)
         self.packed_weights = PackedWeights()  # oneDNN's layout of the matrices, made on first use under "onednn"
+        # A request's logits do not depend on its batch neighbours, bit for bit, also in bfloat16 (fixed-shape
+        # products, float64 attention); what verification against `ar` needs. A draft may drop it (it only proposes).
+        self.batch_invariant = True
 
     @property
     def device(self) -> torch.device:
@@ -104,7 +116,15 @@ class Transformer:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The type of activations, norms, the embedding and the KV cache (bfloat16 under int8 weights)."""
         return self.embed.dtype
+
+    @property
+    def precision(self) -> str:
+        """What results.json calls the model's dtype: float32, bfloat16, or int8 (weight-only, bfloat16 rest)."""
+        if isinstance(self.lm_head, Int8Weight):
+            return "int8"
+        return str(self.dtype).removeprefix("torch.")
 
     def num_parameters(self) -> int:
         tensors = {id(t): t for t in [self.embed, self.final_norm, self.full_head]}
@@ -115,17 +135,39 @@ class Transformer:
         return sum(t.numel() for t in tensors.values())
 
     def pack_weights(self) -> None:
-        """Under oneDNN, reorder every matrix into its blocked layout now instead of on first use (which would land
-        on the first request's latency). A no-op under MKL."""
-        if self.linear_backend != "onednn":
+        """Under oneDNN, reorder the matrices into its blocked layout now instead of on first use (which would land
+        on the first request's latency). A no-op under MKL and for int8 weights.
+
+        The layer matrices are replaced by their packed form (this model's own `layers` list; the values are kept
+        exactly, `linear.dense` recovers them), so the model holds its weights once, not twice. The LM head gets a
+        packed copy instead: it may be the embedding, which token lookups read.
+        """
+        if self.linear_backend != "onednn" or isinstance(self.lm_head, Int8Weight):
             return
-        for layer in self.layers:
-            for weight in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-                self.packed_weights.get(weight)
+
+        def pack(weight: torch.Tensor) -> torch.Tensor:
+            if weight.is_mkldnn:
+                return weight
+            return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PackedWeights.ROWS_HINT)
+
+        self.layers = [layer.map_matrices(pack) for layer in self.layers]
         self.packed_weights.get(self.lm_head)
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 for every layer matrix and the LM head (`linear.Int8Weight`). The model must be in
+        bfloat16, which its activations, norms, embedding and KV cache stay in; restrict the head first."""
+        if self.dtype != torch.bfloat16:
+            raise BatchspecError(f"int8 weights need a bfloat16 model, this one is {self.precision}")
+        self.layers = [layer.map_matrices(Int8Weight.quantize) for layer in self.layers]
+        self.packed_weights.clear()
+        self.lm_head = Int8Weight.quantize(self.lm_head)
+        if self.head_ids is None and self.full_head is not self.embed:  # an untied head: keep one copy
+            self.full_head = self.lm_head
 
     def restrict_head(self, token_ids: torch.Tensor | None) -> None:
         """Compute logits only for `token_ids` (every other token gets probability 0); None restores the full head."""
+        if isinstance(self.lm_head, Int8Weight):
+            raise BatchspecError("restrict the head vocabulary before quantizing the model to int8")
         if self.lm_head is not self.full_head:
             self.packed_weights.discard(self.lm_head)  # a restricted head about to be replaced
         if token_ids is None:
@@ -148,12 +190,17 @@ class Transformer:
         return emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype)
 
     @classmethod
-    def from_hf_state_dict(cls, config: ModelConfig, weights: dict[str, torch.Tensor]) -> Transformer:
-        """Build from Hugging Face tensor names (`model.layers.N.self_attn.q_proj.weight`, ...), fusing on the way."""
+    def from_hf_state_dict(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
+                           consume: bool = False) -> Transformer:
+        """Build from Hugging Face tensor names (`model.layers.N.self_attn.q_proj.weight`, ...), fusing on the way.
+
+        consume: pop each tensor from `weights` as it is used, so a fused matrix's parts are freed while the next
+        layer is built (a loader that owns the dict keeps one copy of the weights, not two).
+        """
 
         def take(name: str) -> torch.Tensor:
             try:
-                return weights[name]
+                return weights.pop(name) if consume else weights[name]
             except KeyError:
                 raise BatchspecError(f"model weights lack tensor {name!r}") from None
 
@@ -246,9 +293,16 @@ class Transformer:
         mask = mask[:, None, None].expand(batch, 1, groups, n_max, kv_len).reshape(batch, 1, groups * n_max, kv_len)
         # Additive (0 / -inf) once per forward: SDPA would convert a boolean mask in every layer (same result,
         # bit for bit; ~10 % of the attention time at batch 16).
-        mask = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(~mask, -math.inf)
+        # A batch-invariant bfloat16 model attends in float64. SDPA's result for a row changes with the padding around it (the
+        # batch's other requests set kv_len and n_max): measured, one bfloat16 ulp between kv lengths 40 and 80 in
+        # bfloat16, 1.8e-7 in float32 — and rounded back to bfloat16 even 1e-7 flips some values, which the layers
+        # above amplify, so a request's tokens would depend on its batch neighbours and verification would drift
+        # from `ar`. In float64 the differences (~1e-16) are far below bfloat16's resolution. A float32 model keeps
+        # float32 attention (its rounding differences stay ~1e-7 without a cast). Attention is a few % of a step.
+        attn_dtype = torch.float64 if self.batch_invariant and self.dtype == torch.bfloat16 else self.dtype
+        mask = torch.zeros(mask.shape, dtype=attn_dtype).masked_fill_(~mask, -math.inf)
         if spread:
-            span_mask = torch.zeros(hi - lo, 1, groups * n_max, kv_len, dtype=self.dtype)  # holes: any finite row
+            span_mask = torch.zeros(hi - lo, 1, groups * n_max, kv_len, dtype=attn_dtype)  # holes: any finite row
             span_mask[rows_in_span] = mask
             mask = span_mask
         mask = mask.to(dev)
@@ -256,7 +310,8 @@ class Transformer:
         if not decode:
             row_d, offset_d = row.to(dev), offset.to(dev)
 
-        lin = functools.partial(linear, backend=self.linear_backend, packed=self.packed_weights)
+        lin = functools.partial(linear, backend=self.linear_backend, packed=self.packed_weights,
+                                batch_invariant=self.batch_invariant)
         x = self.embed[tokens.to(dev)]  # (T, hidden)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for index, layer in enumerate(self.layers):
@@ -287,10 +342,12 @@ class Transformer:
             if spread:  # the batch's queries at their slots' rows of the span
                 q_span = q_grouped.new_zeros(hi - lo, *q_grouped.shape[1:])
                 q_span[span_rows_d] = q_grouped
-                attn = F.scaled_dot_product_attention(q_span, keys, values, attn_mask=mask)[span_rows_d]
+                attn = F.scaled_dot_product_attention(q_span.to(attn_dtype), keys.to(attn_dtype),
+                                                      values.to(attn_dtype), attn_mask=mask)[span_rows_d]
             else:
-                attn = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=mask)  # (B, KV, G*n, D)
-            attn = (attn.view(batch, c.num_kv_heads, groups, n_max, c.head_dim)
+                attn = F.scaled_dot_product_attention(q_grouped.to(attn_dtype), keys.to(attn_dtype),
+                                                      values.to(attn_dtype), attn_mask=mask)  # (B, KV, G*n, D)
+            attn = (attn.to(x.dtype).view(batch, c.num_kv_heads, groups, n_max, c.head_dim)
                     .permute(0, 3, 1, 2, 4).reshape(batch, n_max, q_size))  # (B, n, H*D)
             attn = attn.view(batch, q_size) if decode else attn[row_d, offset_d]  # (T, H*D)
             x = x + lin(attn, layer.wo)

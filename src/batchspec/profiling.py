@@ -49,11 +49,18 @@ def machine_description() -> str:
     return f"{name} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads"
 
 
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> str:
     def model_id(model: Transformer) -> dict:
         weights = model.embed.float()
         return {"config": model.config.as_dict(), "embed": [float(weights[:64].sum()), float(weights[-64:].sum())],
-                "dtype": str(model.dtype), "linear": model.linear_backend}
+                "dtype": model.precision, "linear": model.linear_backend}
 
     key = {"target": model_id(target), "draft": model_id(draft), "max_batch": max_batch, "k_max": k_max,
            "torch": torch.__version__, "cpu": machine_description(),
@@ -63,7 +70,7 @@ def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max:
 
 def cached_step_time(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> StepTimeModel:
     """`profile_step_time`, remembered on disk for this machine and model pair."""
-    from batchspec.default_models import cache_root
+    from batchspec.known_models import cache_root
 
     path = cache_root() / "profiles" / f"step-time-{_profile_key(target, draft, max_batch, k_max)}.json"
     try:

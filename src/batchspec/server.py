@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchspec.default_models import DEFAULT_TARGET
+from batchspec.known_models import DEFAULT_TARGET, KNOWN_MODELS
 from batchspec.engine_loop import EngineLoop, QueueFull, ShuttingDown
 from batchspec.errors import BatchspecError
 from batchspec.openai_protocol import SSE_DONE, ChatRequest, CompletionRequest, ResponseFormatter, error_body, sse
@@ -263,6 +263,8 @@ def _non_negative_int(text: str) -> int:
 def served_model_name(target: str) -> str:
     if target == "default":
         return DEFAULT_TARGET.filename.split(".")[0]  # SmolLM2-135M-Instruct
+    if target in KNOWN_MODELS:
+        return target
     path = Path(target)
     return path.stem if path.suffix == ".gguf" else path.name
 
@@ -276,7 +278,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         raise BatchspecError(f"--port must be in 0..65535, got {args.port}")
     draft = args.draft if args.draft is not None or args.policy == "ar" else "default"
-    engine = Engine.from_pretrained(args.target, resolve_draft(draft), draft_dtype=args.draft_dtype,
+    engine = Engine.from_pretrained(args.target, resolve_draft(draft, args.target), draft_dtype=args.draft_dtype,
+                                    target_dtype=args.target_dtype,
                                     spec=spec_config(args), max_batch_size=args.max_batch_size, seed=args.seed)
     config = ServerConfig(model_name=args.served_model_name or served_model_name(args.target),
                           max_model_len=min(args.max_model_len, engine.context_length), max_queue=args.max_queue,

@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from batchspec.errors import BatchspecError
+from batchspec.linear import dense
 
 DATA_FORMAT = "batchspec-sprinter-data/1"
 HELD_OUT = ("HumanEval is the held-out benchmark: never collect verifier data on it "
@@ -70,7 +71,8 @@ class CollectConfig:
 
 
 def weight_fingerprint(transformer) -> str:
-    """sha256 of every weight tensor as bfloat16 bytes, in a fixed order (independent of the load dtype/layout).
+    """sha256 of every weight tensor as bfloat16 bytes, in a fixed order (independent of the load dtype/layout;
+    int8 weights hash as their dequantised values, so an int8 draft is a different draft).
 
     bfloat16, the coarsest type a draft runs in: the same weights loaded in float32 or bfloat16 hash alike.
     """
@@ -86,7 +88,8 @@ def weight_fingerprint(transformer) -> str:
             continue
         seen.add(id(tensor))
         digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(tensor.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
+        values = dense(tensor)  # oneDNN's packed layout undone, int8 dequantised
+        digest.update(values.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
