@@ -161,7 +161,8 @@ def prepare_prompts(config: BenchConfig, target: LoadedModel,
 
 
 def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
-              progress: bool = False) -> dict:
+              progress: bool = False, log=None) -> dict:
+    """log: called with one line per finished run and baseline (for output that goes to a file)."""
     config.validate()
     prompts, limits, skipped = prepare_prompts(config, target, draft)
     params = [SamplingParams(max_tokens=m, temperature=config.temperature, top_p=config.top_p, seed=config.seed)
@@ -198,6 +199,9 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                                tetris_scores=point.spec.tetris_scores,
                                window_history=engine.stats.window_history)
                 runs.append(metrics)
+                if log is not None:
+                    log(f"point {index} trial {trial} {policy}: {metrics['tokens_per_s']:.2f} tokens/s, "
+                        f"{metrics['target_calls']} target calls")
             if index == 0:  # the transformers rows, in every trial beside the policies: noise hits all alike
                 reference = outputs.get((0, trial, "ar"))
                 for name in config.baselines:
@@ -205,6 +209,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                     baselines.append(run_baseline(name, target, draft, prompt_ids[:count], limits[0],
                                                   config.batch_size, reference[:count] if reference else None,
                                                   trial=trial, loaded=hf_models))
+                    if log is not None:
+                        log(f"trial {trial} {name}: {baselines[-1]['tokens_per_s']:.2f} tokens/s")
     for run in runs:
         reference = outputs.get((run["point"], run["trial"], "ar"), outputs.get((0, run["trial"], "ar")))
         mine = outputs[(run["point"], run["trial"], run["policy"])]

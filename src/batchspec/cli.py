@@ -251,7 +251,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     target = load_model(args.target, dtype=args.target_dtype)
     draft = (load_model(resolve_draft(args.draft or "default", args.target), dtype=args.draft_dtype)
              if needs_draft else None)
-    results = run_bench(config, target, draft, progress=sys.stderr.isatty())
+    log = None if sys.stderr.isatty() else (lambda line: print(line, file=sys.stderr, flush=True))
+    results = run_bench(config, target, draft, progress=sys.stderr.isatty(), log=log)
     plots = write_results(results, Path(args.out), plots=not args.no_plots) if args.out else []
     if args.json:
         json.dump(results, sys.stdout, indent=2)
