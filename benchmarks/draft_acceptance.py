@@ -12,7 +12,8 @@
 5. A draft that ships a head vocabulary (head_vocab.py) is measured twice: as shipped, and scoring the whole
    vocabulary, so the table shows what the restricted head costs in acceptance and saves in time.
 
-    python benchmarks/draft_acceptance.py [--draft DIR] [--num-prompts 32] [--json]
+    python benchmarks/draft_acceptance.py [--target NAME] [--draft DIR] [--num-prompts 32] [--json]
+    python benchmarks/draft_acceptance.py --target qwen2.5-coder-1.5b-instruct --target-dtype bfloat16  # its pair
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import time
 
 import torch
 
-from batchspec.known_models import default_draft_dir
+from batchspec.known_models import default_draft_dir, paired_draft
 from batchspec.engine import Engine, configure_threads
 from batchspec.loading import check_draft_compatible, load_model
 from batchspec.profiling import machine_description
-from batchspec.precision import DTYPE_CHOICES, dtype_name, resolve_dtype
+from batchspec.precision import DRAFT_PRECISION_CHOICES, PRECISIONS, resolve_precision
 from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
 from batchspec.sampling import SamplingParams
 
@@ -115,9 +116,11 @@ def draft_results(target, draft, target_logits, answers, prompt_ids, args) -> di
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="default")
-    parser.add_argument("--draft", default=None, help="draft model directory (default: the shipped draft)")
-    parser.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
-                        help="the draft's float type (auto: bfloat16 on CPUs with native bfloat16, else float32)")
+    parser.add_argument("--target-dtype", default="float32", choices=PRECISIONS, help="the target's weights")
+    parser.add_argument("--draft", default=None,
+                        help="draft model (default: the named target's pair, else the shipped draft)")
+    parser.add_argument("--draft-dtype", default="auto", choices=DRAFT_PRECISION_CHOICES,
+                        help="the draft's weights (auto: bfloat16 on CPUs with native bfloat16, else float32; int8)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -127,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_threads()
 
-    target = load_model(args.target)
-    draft_dtype = resolve_dtype(args.draft_dtype)
-    draft = load_model(args.draft or default_draft_dir(), dtype=draft_dtype)
+    target = load_model(args.target, dtype=args.target_dtype)
+    draft_dtype = resolve_precision(args.draft_dtype)
+    draft_spec = args.draft or paired_draft(args.target) or default_draft_dir()
+    draft = load_model(draft_spec, dtype=draft_dtype)
     check_draft_compatible(target, draft)
     prompts = [humaneval_chat_prompt(p) for p in humaneval_prompts()[:args.num_prompts]]
     engine = Engine(target, max_batch_size=args.batch_size)
@@ -147,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     results["target_forced_greedy_match"] = float(torch.cat(
         [t.argmax(-1) == a for t, a in zip(target_logits, answers)]).float().mean())  # sanity: ~1.0
     if draft.transformer.head_ids is not None:  # the same draft scoring the whole vocabulary, for comparison
-        full = load_model(args.draft or default_draft_dir(), dtype=draft_dtype, full_head=True)
+        full = load_model(draft_spec, dtype=draft_dtype, full_head=True)
         results["full_head"] = draft_results(target, full, target_logits, answers, prompt_ids, args)
     results.update({"num_prompts": len(prompts), "answer_tokens": sum(len(a) for a in answers), "k": args.k,
                     "batch_size": args.batch_size, "target_generate_s": generate_s,
-                    "draft": str(draft.model_dir), "draft_dtype": dtype_name(draft_dtype),
+                    "draft": str(draft.model_dir), "draft_dtype": draft.transformer.precision,
+                    "target_dtype": target.transformer.precision,
                     "draft_parameters": draft.transformer.num_parameters(),
                     "target_parameters": target.transformer.num_parameters(), "machine": machine_description()})
     if args.json:

@@ -116,9 +116,25 @@ def test_baselines_run_in_every_trial(tmp_path, tiny_model_factory):
     assert "over 3 trials" in format_table(results)
     ar = sorted(r["tokens_per_s"] for r in results["runs"])[1]
     # Like with like: our batch-2 run against the batch-2 baseline only, never against the batch-1 row.
-    assert baseline_ratios(results) == (f"best batchspec policy vs transformers at the same batch size: "
+    assert baseline_ratios(results) == (f"best batchspec policy vs each baseline at the same batch size: "
                                         f"ar/hf_generate = {ar / speeds[1]:.2f}x (batch 2)")
     assert (tmp_path / "out" / "plots" / "throughput.png") in write_results(results, tmp_path / "out")
+
+
+def test_llama_cpp_baseline_left_out_with_a_note(tmp_path, tiny_model_factory):
+    """llama.cpp needs llama-cpp-python and a GGUF target: without either the row is left out and the table says
+    why; the bench's own rows are unaffected."""
+    target = load_model(tiny_model_factory(name="target", seed=0))  # an HF directory, not a GGUF file
+    assert target.gguf_path is None
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}))
+    config = BenchConfig(dataset=f"jsonl:{prompts}", num_prompts=1, batch_size=1, policies=("ar",), max_tokens=3,
+                         chat=False, baselines=("llama_cpp_b1",))
+    results = run_bench(config, target, None)
+    assert results["baselines"] == [] and len(results["runs"]) == 1
+    (note,) = results["config"]["baseline_notes"]
+    assert note.startswith("llama_cpp_b1 left out: ") and note in format_table(results)
+    assert "llama-cpp-python is not installed" in note or "is not a GGUF file" in note
 
 
 def test_sharegpt_auto_max_tokens_and_bad_sweep(tmp_path, tiny_model_factory):

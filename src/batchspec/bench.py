@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from batchspec.baselines import check_baselines, run_baseline
+from batchspec.baselines import ALL_PROMPTS, check_baselines, run_baseline, unavailable_reason
 from batchspec.bench_report import POINT_FIELDS, TABLE_FIELDS, format_table, summary_rows, write_results  # noqa: F401
 from batchspec.engine import Engine
 from batchspec.errors import BatchspecError
@@ -167,7 +167,12 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     prompts, limits, skipped = prepare_prompts(config, target, draft)
     params = [SamplingParams(max_tokens=m, temperature=config.temperature, top_p=config.top_p, seed=config.seed)
               for m in limits]
-    runs, outputs, texts, baselines, hf_models = [], {}, {}, [], {}
+    runs, outputs, texts, baselines, baseline_models = [], {}, {}, [], {}
+    baseline_notes = [note for note in (unavailable_reason(name, target) for name in config.baselines) if note]
+    runnable = [name for name in config.baselines if unavailable_reason(name, target) is None]
+    for note in baseline_notes:
+        if log is not None:
+            log(note)
     recorder, traced_requests = _trace_recorder(config), None
     lossy = any(p not in LOSSLESS_POLICIES for p in config.policies)
     if lossy or config.baselines:  # both score or re-run the prompts as token ids, encoded once here
@@ -202,13 +207,13 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                 if log is not None:
                     log(f"point {index} trial {trial} {policy}: {metrics['tokens_per_s']:.2f} tokens/s, "
                         f"{metrics['target_calls']} target calls")
-            if index == 0:  # the transformers rows, in every trial beside the policies: noise hits all alike
+            if index == 0:  # the baseline rows, in every trial beside the policies: noise hits all alike
                 reference = outputs.get((0, trial, "ar"))
-                for name in config.baselines:
-                    count = len(prompts) if name == "hf_generate" else min(len(prompts), config.baseline_prompts)
+                for name in runnable:
+                    count = len(prompts) if name in ALL_PROMPTS else min(len(prompts), config.baseline_prompts)
                     baselines.append(run_baseline(name, target, draft, prompt_ids[:count], limits[0],
                                                   config.batch_size, reference[:count] if reference else None,
-                                                  trial=trial, loaded=hf_models))
+                                                  trial=trial, loaded=baseline_models))
                     if log is not None:
                         log(f"trial {trial} {name}: {baselines[-1]['tokens_per_s']:.2f} tokens/s")
     for run in runs:
@@ -218,7 +223,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     if lossy:
         _add_quality(runs, outputs, texts, target, prompt_ids)
     results = {"config": {**_config_dict(config, target, draft, len(prompts)), "skipped_prompts": skipped,
-                          "peak_rss_mib": peak_rss_mib()},
+                          "peak_rss_mib": peak_rss_mib(), "baseline_notes": baseline_notes},
                "runs": runs, "baselines": baselines}
     if recorder is not None:
         _save_trace(recorder, traced_requests, results)

@@ -73,6 +73,7 @@ def format_table(results: dict) -> str:
     ratio = baseline_ratios(results)
     if ratio:
         lines.append(ratio)
+    lines += results["config"].get("baseline_notes") or []
     skipped = results["config"].get("skipped_prompts")
     if skipped:
         lines.append(f"skipped {skipped} prompt(s) longer than the context window")
@@ -80,7 +81,7 @@ def format_table(results: dict) -> str:
 
 
 def baselines_by_name(results: dict) -> dict[str, list[dict]]:
-    """The transformers rows grouped by baseline, one row per trial each, in the order they ran."""
+    """The baseline rows (transformers, llama.cpp) grouped by baseline, one row per trial each, in the order they ran."""
     groups: dict[str, list[dict]] = {}
     for row in results.get("baselines", []):
         groups.setdefault(row["policy"], []).append(row)
@@ -88,7 +89,7 @@ def baselines_by_name(results: dict) -> dict[str, list[dict]]:
 
 
 def baseline_rows(results: dict) -> list[dict]:
-    """One row per transformers baseline: its median tokens/s over trials (min/max beside), the worst match_ar."""
+    """One row per baseline: its median tokens/s over trials (min/max beside), the worst match_ar."""
     rows = []
     for trials in baselines_by_name(results).values():
         speeds = [r["tokens_per_s"] for r in trials]
@@ -100,7 +101,7 @@ def baseline_rows(results: dict) -> list[dict]:
 
 
 def baseline_ratios(results: dict) -> str | None:
-    """batchspec's fastest policy over each transformers baseline of the same batch size (medians of tokens/s).
+    """batchspec's fastest policy over each baseline of the same batch size (medians of tokens/s).
 
     Like with like: a batch-1 baseline is compared with a batch-1 run of ours only (a sweep point or the bench's
     own batch size), never with a batched run; a baseline without a same-size run of ours gets no ratio.
@@ -119,7 +120,7 @@ def baseline_ratios(results: dict) -> str | None:
         best = max(same, key=lambda r: r["tokens_per_s"])
         parts.append(f"{best['policy']}/{baseline['policy']} = {best['tokens_per_s'] / baseline['tokens_per_s']:.2f}x "
                      f"(batch {baseline['batch_size']})")
-    return ("best batchspec policy vs transformers at the same batch size: " + ", ".join(parts)) if parts else None
+    return ("best batchspec policy vs each baseline at the same batch size: " + ", ".join(parts)) if parts else None
 
 
 def write_results(results: dict, out_dir: Path, plots: bool = True) -> list[Path]:

@@ -9,7 +9,7 @@ import time
 
 from batchspec.errors import BatchspecError
 
-DEFAULT_BASELINES = ("hf_generate", "hf_generate_b1", "hf_assisted_b1")  # every row of baselines.BASELINES
+DEFAULT_BASELINES = ("hf_generate", "hf_generate_b1", "hf_assisted_b1", "llama_cpp_b1")  # baselines.BASELINES
 
 
 def positive_int(text: str) -> int:
@@ -157,11 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "extra, capacity, tau, tetris_scores=q,verifier); one results file, plus plots against "
                             "each axis")
     bench.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
-                       help="extra rows from transformers on the same weights, comma-separated: hf_generate (batch "
-                            "--batch-size), hf_generate_b1, hf_assisted_b1 (assistant_model = the draft); 'none' "
-                            "for no baseline rows (default: all three)")
+                       help="extra rows from other libraries, comma-separated: transformers on the same weights, "
+                            "hf_generate (batch --batch-size), hf_generate_b1, hf_assisted_b1 (assistant_model = the "
+                            "draft); llama_cpp_b1 (llama.cpp on the target's GGUF file, batch 1; left out with a "
+                            "note where llama-cpp-python is not installed); 'none' for no baseline rows (default: "
+                            "all four)")
     bench.add_argument("--baseline-prompts", type=positive_int, default=4,
-                       help="prompts for the batch-1 baselines (default 4; hf_generate uses all)")
+                       help="prompts for the slow batch-1 baselines, hf_generate_b1 and hf_assisted_b1 (default 4; "
+                            "hf_generate and llama_cpp_b1 use all)")
     bench.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
     bench.add_argument("--record-trace", default=None, metavar="FILE",
                        help="write an acceptance trace for `batchspec sim` (implies --measure-oracle); it records "

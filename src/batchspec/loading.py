@@ -29,10 +29,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "generation_config.json")
 
 
+def model_source(spec: str | Path) -> Path:
+    """`default`, a known model's name (`known_models.KNOWN_MODELS`), a GGUF file or an HF directory -> that file
+    or directory on disk."""
+    return known_models.local_path(str(spec)) if known_models.is_known_name(spec) else Path(spec).expanduser()
+
+
 def resolve_model_dir(spec: str | Path) -> Path:
-    """`default`, a known model's name (`known_models.KNOWN_MODELS`), a GGUF file or an HF directory -> an HF-format
-    directory (converting a GGUF file if needed)."""
-    path = known_models.local_path(str(spec)) if known_models.is_known_name(spec) else Path(spec).expanduser()
+    """`default`, a known model's name, a GGUF file or an HF directory -> an HF-format directory (converting a GGUF
+    file if needed)."""
+    path = model_source(spec)
     if not path.exists():
         raise BatchspecError(f"model path not found: {path}")
     if path.is_dir():
@@ -242,11 +248,14 @@ def _save_gguf_tokenizer(path: Path, out_dir: Path) -> None:
 
 
 class LoadedModel:
-    """A runtime `Transformer` with its tokenizer and the directory it came from."""
+    """A runtime `Transformer` with its tokenizer, the directory it came from and, for a model converted from a GGUF
+    file, that file (`gguf_path`: what llama.cpp runs as a baseline)."""
 
-    def __init__(self, name: str, model_dir: Path, transformer: Transformer, tokenizer) -> None:
+    def __init__(self, name: str, model_dir: Path, transformer: Transformer, tokenizer,
+                 gguf_path: Path | None = None) -> None:
         self.name = name
         self.model_dir = model_dir
+        self.gguf_path = gguf_path
         self.transformer = transformer
         self.tokenizer = tokenizer
 
@@ -282,7 +291,9 @@ def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32, devic
         raise BatchspecError(f"tokenizer of {model_dir} has {tokenizer.vocab_size} tokens but the model only "
                              f"{transformer.config.vocab_size}")
     name = str(spec) if known_models.is_known_name(spec) else Path(spec).name
-    return LoadedModel(name, model_dir, transformer, tokenizer)
+    source = model_source(spec)
+    return LoadedModel(name, model_dir, transformer, tokenizer,
+                       gguf_path=source if source.suffix.lower() == ".gguf" else None)
 
 
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
