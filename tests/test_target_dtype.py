@@ -105,3 +105,32 @@ def test_tiny_qwen2_in_low_precision_stays_lossless(tiny_model_factory, precisio
         for policy in ("sd", "tetris"):
             engine = Engine(target, draft, SpecConfig(policy=policy, k=3, extra=2), max_batch_size=2)
             assert [o.token_ids for o in engine.generate(prompts, params)] == reference, (name, policy)
+
+
+def test_int4_weights_round_trip_and_stay_a_drafts_option(tiny_model_factory):
+    """Weight-only int4 (groups of 32 columns, asymmetric): every matrix and the head quantised, values within half
+    a step of the originals; a tiny Qwen2 target with its int4 copy as the draft stays lossless; an int4 target is
+    refused (its kernels are not known to be batch-invariant)."""
+    from batchspec.errors import BatchspecError
+    from batchspec.linear import Int4Weight, dense
+
+    weight = torch.randn(96, 64)
+    quantized = Int4Weight.quantize(weight)
+    step = (weight.reshape(96, 2, 32).amax(-1) - weight.reshape(96, 2, 32).amin(-1)) / 15  # (96, 2)
+    error = (dense(quantized) - weight).abs().reshape(96, 2, 32).amax(-1)
+    assert bool((error <= 0.5 * step * 1.05 + 0.02).all()), float((error - 0.5 * step).max())
+
+    target_dir = tiny_model_factory("qwen2", name="qwen-target", seed=0)
+    target = load_model(target_dir, dtype="bfloat16")
+    draft = load_model(target_dir, dtype="int4")
+    layer = draft.transformer.layers[0]
+    assert draft.transformer.precision == "int4"
+    assert all(isinstance(getattr(layer, name), Int4Weight) for name in layer.MATRICES)
+    prompts = ["def f(x):", "import os\nimport sys"]
+    params = SamplingParams(max_tokens=12)
+    reference = [o.token_ids for o in Engine(target, max_batch_size=2).generate(prompts, params)]
+    engine = Engine(target, draft, SpecConfig(policy="sd", k=3), max_batch_size=2)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == reference
+    assert engine.metrics()["vsr"] > 0.3  # the int4 copy mostly agrees with its bfloat16 original
+    with pytest.raises(BatchspecError, match="int4 weights are a draft's option"):
+        Engine(draft, target)

@@ -39,8 +39,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "(weight-only, bfloat16 activations). Lossless policies reproduce ar at the same dtype")
     parser.add_argument("--draft-dtype", default="auto", choices=DRAFT_PRECISION_CHOICES,
                         help="the draft's weights: auto (bfloat16 where the CPU computes it natively, AVX512-BF16 "
-                             "or AMX; else float32), float32, bfloat16 or int8. Lossless whatever it is: the target "
-                             "decides every token")
+                             "or AMX; else float32), float32, bfloat16, int8 or int4 (weight-only; int4 about 3x "
+                             "faster than bfloat16 at batch 1, no faster from ~8 rows). Lossless whatever it is: "
+                             "the target decides every token")
 
 
 def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> None:

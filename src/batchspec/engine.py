@@ -57,6 +57,9 @@ class Engine:
             raise BatchspecError(f"policy {self.spec.policy!r} needs a draft model (--draft)")
         if draft is not None:
             check_draft_compatible(target, draft)
+        if target.transformer.precision == "int4":
+            raise BatchspecError("int4 weights are a draft's option (--draft-dtype int4); the target's must stay "
+                                 "batch-invariant: use float32, bfloat16 or int8")
         self.target = target
         self.draft = draft
         for model in (target, draft) if draft is not None else (target,):

@@ -54,7 +54,8 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
                      full_head: bool = False) -> Transformer:
     """The model in an HF directory; its LM head restricted to the stored head vocabulary unless `full_head`.
 
-    dtype: a float type, or a precision name (`precision.PRECISIONS`: float32, bfloat16, int8; `auto`).
+    dtype: a float type, or a precision name (`precision.PRECISIONS`: float32, bfloat16, int8; the draft's `auto`
+    and `int4`).
 
     Tensors are read one at a time from the memory-mapped files and converted to `dtype` on the way, and the fused
     matrices replace their parts as they are built, so loading never holds the weights twice.
@@ -80,8 +81,8 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
             transformer.restrict_head(head_ids)
         except BatchspecError as bad:
             raise BatchspecError(f"{model_dir / HEAD_VOCAB_FILE}: {bad}") from None
-    if precision == "int8":
-        transformer.quantize_int8()
+    if precision in ("int8", "int4"):
+        transformer.quantize_weights(precision)
     return transformer
 
 

@@ -25,21 +25,21 @@ import torch.nn.functional as F
 from batchspec.config import ModelConfig, rope_type
 from batchspec.errors import BatchspecError
 from batchspec.kv_cache import KVCache
-from batchspec.linear import Int8Weight, PackedWeights, default_backend, linear
+from batchspec.linear import Int4Weight, Int8Weight, PackedWeights, QuantizedWeight, default_backend, linear
 
 
 @dataclass
 class LayerWeights:
     """One block's weights. The four matrices may be in oneDNN's packed layout (`Transformer.pack_weights`) or
-    weight-only int8 (`Transformer.quantize_int8`); `linear.dense` gives their values either way."""
+    weight-only int8 or int4 (`Transformer.quantize_weights`); `linear.dense` gives their values either way."""
 
     attn_norm: torch.Tensor  # (hidden,)
-    wqkv: torch.Tensor | Int8Weight  # ((H + 2*KV) * D, hidden)
+    wqkv: torch.Tensor | QuantizedWeight  # ((H + 2*KV) * D, hidden)
     bqkv: torch.Tensor | None  # ((H + 2*KV) * D,) — Qwen2 only
-    wo: torch.Tensor | Int8Weight  # (hidden, H * D)
+    wo: torch.Tensor | QuantizedWeight  # (hidden, H * D)
     mlp_norm: torch.Tensor  # (hidden,)
-    w_gate_up: torch.Tensor | Int8Weight  # (2 * intermediate, hidden)
-    w_down: torch.Tensor | Int8Weight  # (hidden, intermediate)
+    w_gate_up: torch.Tensor | QuantizedWeight  # (2 * intermediate, hidden)
+    w_down: torch.Tensor | QuantizedWeight  # (hidden, intermediate)
 
     MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -116,14 +116,16 @@ class Transformer:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The type of activations, norms, the embedding and the KV cache (bfloat16 under int8 weights)."""
+        """The type of activations, norms, the embedding and the KV cache (bfloat16 under int8/int4 weights)."""
         return self.embed.dtype
 
     @property
     def precision(self) -> str:
-        """What results.json calls the model's dtype: float32, bfloat16, or int8 (weight-only, bfloat16 rest)."""
+        """What results.json calls the model's dtype: float32, bfloat16, int8 or int4 (weight-only, bfloat16 rest)."""
         if isinstance(self.lm_head, Int8Weight):
             return "int8"
+        if isinstance(self.lm_head, Int4Weight):
+            return "int4"
         return str(self.dtype).removeprefix("torch.")
 
     def num_parameters(self) -> int:
@@ -142,7 +144,7 @@ class Transformer:
         exactly, `linear.dense` recovers them), so the model holds its weights once, not twice. The LM head gets a
         packed copy instead: it may be the embedding, which token lookups read.
         """
-        if self.linear_backend != "onednn" or isinstance(self.lm_head, Int8Weight):
+        if self.linear_backend != "onednn" or isinstance(self.lm_head, (Int8Weight, Int4Weight)):
             return
 
         def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -153,21 +155,26 @@ class Transformer:
         self.layers = [layer.map_matrices(pack) for layer in self.layers]
         self.packed_weights.get(self.lm_head)
 
-    def quantize_int8(self) -> None:
-        """Weight-only int8 for every layer matrix and the LM head (`linear.Int8Weight`). The model must be in
-        bfloat16, which its activations, norms, embedding and KV cache stay in; restrict the head first."""
-        if self.dtype != torch.bfloat16:
-            raise BatchspecError(f"int8 weights need a bfloat16 model, this one is {self.precision}")
-        self.layers = [layer.map_matrices(Int8Weight.quantize) for layer in self.layers]
+    def quantize_weights(self, precision: str) -> None:
+        """Weight-only `int8` (`linear.Int8Weight`) or `int4` (`linear.Int4Weight`) for every layer matrix and the
+        LM head. The model must be in bfloat16, which its activations, norms, embedding and KV cache stay in;
+        restrict the head first."""
+        kinds = {"int8": Int8Weight, "int4": Int4Weight}
+        if precision not in kinds:
+            raise BatchspecError(f"unknown weight-only precision {precision!r}; use int8 or int4")
+        if self.dtype != torch.bfloat16 or self.precision != "bfloat16":
+            raise BatchspecError(f"{precision} weights need a bfloat16 model, this one is {self.precision}")
+        quantize = kinds[precision].quantize
+        self.layers = [layer.map_matrices(quantize) for layer in self.layers]
         self.packed_weights.clear()
-        self.lm_head = Int8Weight.quantize(self.lm_head)
+        self.lm_head = quantize(self.lm_head)
         if self.head_ids is None and self.full_head is not self.embed:  # an untied head: keep one copy
             self.full_head = self.lm_head
 
     def restrict_head(self, token_ids: torch.Tensor | None) -> None:
         """Compute logits only for `token_ids` (every other token gets probability 0); None restores the full head."""
-        if isinstance(self.lm_head, Int8Weight):
-            raise BatchspecError("restrict the head vocabulary before quantizing the model to int8")
+        if isinstance(self.lm_head, (Int8Weight, Int4Weight)):
+            raise BatchspecError(f"restrict the head vocabulary before quantizing the model to {self.precision}")
         if self.lm_head is not self.full_head:
             self.packed_weights.discard(self.lm_head)  # a restricted head about to be replaced
         if token_ids is None:

@@ -1,11 +1,12 @@
-"""The type each model runs in: `--target-dtype float32|bfloat16|int8`, `--draft-dtype auto|float32|bfloat16|int8`.
+"""The type each model runs in: `--target-dtype float32|bfloat16|int8`, `--draft-dtype auto|float32|bfloat16|int8|int4`.
 
 A decode step streams every weight once, so bytes per weight set the step time at small batch. Where the CPU has
 native bfloat16 arithmetic (AVX512-BF16 or AMX) bfloat16 halves those bytes and runs its matrix products about twice
 as fast (measured on a Zen 5 EPYC, 12 of Qwen2.5-1.5B's 1536 x 8960 MLP matrices: float32 16.8 / 25.0 / 76.7 ms at
 1 / 16 / 80 rows, bfloat16 8.5 / 12.8 / 42.1). Without it bfloat16 is emulated and slower, so the draft's `auto`
 picks float32 there. `int8` is weight-only int8 (`linear.Int8Weight`) with bfloat16 everything else: faster still at
-one to four rows, slower from about sixteen.
+one to four rows, slower from about sixteen. `int4` (the draft only: `linear.Int4Weight`) streams a quarter of
+bfloat16's bytes, about 3x faster at one row, no faster from about eight rows.
 
 The draft only proposes, so its type never touches losslessness. The target's type changes its outputs (each type
 is its own model): lossless means every lossless policy reproduces `ar` run at the *same* target dtype, token for
@@ -24,7 +25,7 @@ from batchspec.errors import BatchspecError
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES: tuple[str, ...] = ("auto", *DTYPES)  # float types (the draft's features, distillation's autocast)
 PRECISIONS: tuple[str, ...] = (*DTYPES, "int8")  # how a model's weights may run (`--target-dtype`)
-DRAFT_PRECISION_CHOICES: tuple[str, ...] = ("auto", *PRECISIONS)
+DRAFT_PRECISION_CHOICES: tuple[str, ...] = ("auto", *PRECISIONS, "int4")  # int4: a draft's option only
 DEFAULT_TARGET_DTYPE = "float32"
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo names of native bfloat16 arithmetic
 
@@ -64,8 +65,8 @@ def resolve_dtype(choice: str) -> torch.dtype:
 
 
 def resolve_precision(choice: str) -> str:
-    """`auto` -> bfloat16 on CPUs with native bfloat16, else float32; float32 / bfloat16 / int8 as named."""
-    if choice == "int8":
+    """`auto` -> bfloat16 on CPUs with native bfloat16, else float32; float32 / bfloat16 / int8 / int4 as named."""
+    if choice in ("int8", "int4"):
         return choice
     if choice == "auto" or choice in DTYPES:
         return dtype_name(resolve_dtype(choice))
@@ -73,8 +74,8 @@ def resolve_precision(choice: str) -> str:
 
 
 def compute_dtype(precision: str) -> torch.dtype:
-    """The float type of activations and KV cache for a precision (int8 weights compute in bfloat16)."""
-    return torch.bfloat16 if precision == "int8" else DTYPES[precision]
+    """The float type of activations and KV cache for a precision (int8/int4 weights compute in bfloat16)."""
+    return torch.bfloat16 if precision in ("int8", "int4") else DTYPES[precision]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
