@@ -168,8 +168,9 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     params = [SamplingParams(max_tokens=m, temperature=config.temperature, top_p=config.top_p, seed=config.seed)
               for m in limits]
     runs, outputs, texts, baselines, baseline_models = [], {}, {}, [], {}
-    baseline_notes = [note for note in (unavailable_reason(name, target) for name in config.baselines) if note]
-    runnable = [name for name in config.baselines if unavailable_reason(name, target) is None]
+    reasons = {name: unavailable_reason(name, target) for name in config.baselines}  # None: it can run here
+    baseline_notes = [note for note in reasons.values() if note]
+    runnable = [name for name, note in reasons.items() if note is None]
     for note in baseline_notes:
         if log is not None:
             log(note)
