@@ -81,7 +81,7 @@ def format_table(results: dict) -> str:
 
 
 def baselines_by_name(results: dict) -> dict[str, list[dict]]:
-    """The baseline rows (transformers, llama.cpp) grouped by baseline, one row per trial each, in the order they ran."""
+    """The baseline rows (transformers, llama.cpp) grouped by baseline, one row per trial each, in run order."""
     groups: dict[str, list[dict]] = {}
     for row in results.get("baselines", []):
         groups.setdefault(row["policy"], []).append(row)

@@ -145,7 +145,7 @@ QuantizedWeight = Int8Weight | Int4Weight
 def dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     """A weight as an ordinary strided tensor (oneDNN's packed layout and int8/int4 undone) for code that reads
     values."""
-    if isinstance(weight, (Int8Weight, Int4Weight)):
+    if isinstance(weight, QuantizedWeight):
         return weight.dequantize()
     return weight.to_dense() if weight.is_mkldnn else weight
 
@@ -209,12 +209,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
            batch_invariant: bool = True) -> torch.Tensor:
     """x (N, in) @ weight (out, in)^T (+ bias) -> (N, out).
 
-    An `Int8Weight` / `Int4Weight`: the weight-only int8 / int4 kernel (x in bfloat16). A weight already in oneDNN's layout (`is_mkldnn`,
-    see `Transformer.pack_weights`): oneDNN. float32 or bfloat16 with `backend="onednn"`: oneDNN's inner-product
-    kernel, on `packed`'s copy of the weight when given. bfloat16 with `batch_invariant` (a target): in blocks of
-    `BF16_ROWS` rows, so that a row's result never depends on how many rows share the call. Otherwise PyTorch's matmul with the operand order chosen for CPU speed: for 2..~100 rows MKL's sgemm
-    runs (weight @ x^T)^T 1.5-2x faster than F.linear's x @ weight^T (measured on an AVX2 EPYC: 16 rows 150 vs
-    270 ms per forward of the default target; the transposed result is a free view); one row goes through gemv.
+    An `Int8Weight` / `Int4Weight`: the weight-only int8 / int4 kernel (x in bfloat16). A weight already in
+    oneDNN's layout (`is_mkldnn`, see `Transformer.pack_weights`): oneDNN. float32 or bfloat16 with
+    `backend="onednn"`: oneDNN's inner-product kernel, on `packed`'s copy of the weight when given. bfloat16 with
+    `batch_invariant` (a target): in blocks of `BF16_ROWS` rows, so that a row's result never depends on how many
+    rows share the call. Otherwise PyTorch's matmul with the operand order chosen for CPU speed: for 2..~100 rows
+    MKL's sgemm runs (weight @ x^T)^T 1.5-2x faster than F.linear's x @ weight^T (measured on an AVX2 EPYC: 16 rows
+    150 vs 270 ms per forward of the default target; the transposed result is a free view); one row goes through
+    gemv.
     `reference_order` keeps F.linear's order (transformers' rounding) for float32 under MKL.
     """
     if isinstance(weight, Int8Weight):

@@ -144,7 +144,7 @@ class Transformer:
         exactly, `linear.dense` recovers them), so the model holds its weights once, not twice. The LM head gets a
         packed copy instead: it may be the embedding, which token lookups read.
         """
-        if self.linear_backend != "onednn" or isinstance(self.lm_head, (Int8Weight, Int4Weight)):
+        if self.linear_backend != "onednn" or isinstance(self.lm_head, QuantizedWeight):
             return
 
         def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -173,7 +173,7 @@ class Transformer:
 
     def restrict_head(self, token_ids: torch.Tensor | None) -> None:
         """Compute logits only for `token_ids` (every other token gets probability 0); None restores the full head."""
-        if isinstance(self.lm_head, (Int8Weight, Int4Weight)):
+        if isinstance(self.lm_head, QuantizedWeight):
             raise BatchspecError(f"restrict the head vocabulary before quantizing the model to {self.precision}")
         if self.lm_head is not self.full_head:
             self.packed_weights.discard(self.lm_head)  # a restricted head about to be replaced

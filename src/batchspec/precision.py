@@ -1,4 +1,4 @@
-"""The type each model runs in: `--target-dtype float32|bfloat16|int8`, `--draft-dtype auto|float32|bfloat16|int8|int4`.
+"""The type each model runs in: `--target-dtype float32|bfloat16|int8`, `--draft-dtype` those, `auto` or `int4`.
 
 A decode step streams every weight once, so bytes per weight set the step time at small batch. Where the CPU has
 native bfloat16 arithmetic (AVX512-BF16 or AMX) bfloat16 halves those bytes and runs its matrix products about twice
