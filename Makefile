@@ -35,6 +35,7 @@ demo: fetch fetch-pair
 
 # pytest exits 5 when it collects nothing: that must fail CI, and it does (make propagates any non-zero code).
 test: fetch
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 bench-runtime: fetch

@@ -15,9 +15,9 @@ import time
 import torch
 
 from batchspec import configure_threads
-from batchspec.profiling import machine_description
-from batchspec.selection import sd_windows
-from batchspec.tetris import oracle_windows, tetris_windows
+from batchspec.runtime.machine import machine_description
+from batchspec.spec.policies.base import sd_windows
+from batchspec.spec.policies.tetris import oracle_windows, tetris_windows
 
 
 def median_us(fn, repeats: int) -> float:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchspec.fetching import fetch
-from batchspec.known_models import DEFAULT_TARGET
-from batchspec.loading import TOKENIZER_FILES, load_model, resolve_model_dir
+from batchspec.weights.fetching import fetch
+from batchspec.weights.known_models import DEFAULT_TARGET
+from batchspec.weights.loading import TOKENIZER_FILES, load_model, resolve_model_dir
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from batchspec.bench import BenchConfig, format_table, load_dataset, run_bench, write_results
+from batchspec.bench.run import BenchConfig, format_table, load_dataset, run_bench, write_results
 from batchspec.errors import BatchspecError
-from batchspec.loading import load_model
-from batchspec.speculative import SpecConfig
+from batchspec.weights.loading import load_model
+from batchspec.spec.config import SpecConfig
 
 SECTION_6 = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "system_efficiency", "target_calls",
              "target_tokens", "draft_tokens", "emitted_tokens", "latency_mean_s", "latency_p50_s", "latency_p99_s",
@@ -98,7 +98,7 @@ def test_sweep_baselines_and_skipped_prompts(tmp_path, tiny_model_factory):
 
 def test_baselines_run_in_every_trial(tmp_path, tiny_model_factory):
     """Each trial measures the transformers rows beside the policies; table, ratio and plot use their median."""
-    from batchspec.bench_report import baseline_ratios, baseline_rows
+    from batchspec.bench.report import baseline_ratios, baseline_rows
 
     target = load_model(tiny_model_factory(name="target", seed=0))
     prompts = tmp_path / "p.jsonl"
@@ -138,7 +138,7 @@ def test_llama_cpp_baseline_left_out_with_a_note(tmp_path, tiny_model_factory):
 
 
 def test_sharegpt_auto_max_tokens_and_bad_sweep(tmp_path, tiny_model_factory):
-    from batchspec.bench import parse_sweep, prepare_prompts
+    from batchspec.bench.run import parse_sweep, prepare_prompts
 
     target = load_model(tiny_model_factory(name="target", seed=0))
     share = tmp_path / "s.json"

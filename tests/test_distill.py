@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 
-from batchspec.known_models import default_draft_dir
-from batchspec.distill import DistillConfig, run_distill
-from batchspec.teacher_data import build_prompts
+from batchspec.weights.known_models import default_draft_dir
+from batchspec.distill.pipeline import DistillConfig, run_distill
+from batchspec.distill.teacher_data import build_prompts
 from batchspec.errors import BatchspecError
-from batchspec.loading import check_draft_compatible, load_model
+from batchspec.weights.loading import check_draft_compatible, load_model
 
 PROMPTS = [
     "Complete the following Python function.\n\n```python\ndef add(a, b):\n    \"\"\"Return a + b.\"\"\"\n```",
@@ -86,7 +86,7 @@ def test_resume_continues_from_checkpoint(tiny_target, tmp_path):
 def test_held_out_samples_stay_fixed_when_data_grows(tmp_path):
     """A run resumed on more teacher data keeps the held-out set it started with (new shards sort after it), so
     its validation figures never score samples it trained on."""
-    from batchspec.distill_train import held_out_count
+    from batchspec.distill.train import held_out_count
 
     assert held_out_count(tmp_path, 4331) == 216  # no checkpoint yet: 5 % of the data
     (tmp_path / "checkpoint.json").write_text(json.dumps({"step": 2000, "log": [], "held_out": 216}))
@@ -96,7 +96,7 @@ def test_held_out_samples_stay_fixed_when_data_grows(tmp_path):
 
 
 def test_interrupted_run_resumes_exactly(tiny_target, tmp_path, monkeypatch):
-    import batchspec.distill_train as distill_train
+    import batchspec.distill.train as distill_train
 
     cfg = DistillConfig(target=str(tiny_target), **TINY)
     straight = run_distill(cfg, tmp_path / "a", prompts=PROMPTS)["log"]
@@ -129,7 +129,7 @@ def _loss_model(vocab: int = 40):
 def test_head_vocabulary_loss_is_the_deployed_distribution():
     """Training against a head vocabulary scores the draft as deployed: softmax over the head's rows only, the
     teacher's top-k renormalised over the tokens inside it; with every token in the head it is the full loss."""
-    from batchspec.distill_train import distill_loss
+    from batchspec.distill.train import distill_loss
 
     model = _loss_model()
     inputs = torch.randint(0, 40, (2, 6))
@@ -221,7 +221,7 @@ def test_default_draft_is_a_small_model():
 
 
 def test_missing_default_draft_is_a_clear_error(monkeypatch, tmp_path):
-    import batchspec.known_models as known_models
+    import batchspec.weights.known_models as known_models
 
     monkeypatch.setattr(known_models, "DEFAULT_DRAFT_DIR_NAME", "no-such-draft")
     with pytest.raises(BatchspecError, match="default draft is missing"):
@@ -231,7 +231,7 @@ def test_missing_default_draft_is_a_clear_error(monkeypatch, tmp_path):
 def test_cli_options_are_validated():
     import argparse
 
-    from batchspec.distill import add_distill_parser, config_from_args
+    from batchspec.cli.distill import add_distill_parser, config_from_args
 
     parser = argparse.ArgumentParser()
     add_distill_parser(parser.add_subparsers())
@@ -249,7 +249,7 @@ def test_cli_options_are_validated():
 
 def test_shipped_verifier_belongs_to_the_shipped_draft():
     """Replacing the default draft without re-collecting its SPRINTER verifier would break `--verifier default`."""
-    from batchspec.known_models import default_verifier_dir
-    from batchspec.sprinter import load_verifier
+    from batchspec.weights.known_models import default_verifier_dir
+    from batchspec.spec.verifier import load_verifier
 
     load_verifier(default_verifier_dir(), draft=load_model(default_draft_dir()))  # raises if the weights differ

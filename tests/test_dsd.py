@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchspec.dsd import AcceptanceEMA, StepTimeModel, dsd_choose_k, expected_tokens_per_request
+from batchspec.spec.policies.dsd import AcceptanceEMA, dsd_choose_k, expected_tokens_per_request
+from batchspec.spec.step_time import StepTimeModel
 from batchspec.errors import BatchspecError
 
 

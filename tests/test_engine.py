@@ -7,8 +7,8 @@ import json
 import pytest
 
 from batchspec import Engine, SamplingParams
-from batchspec.cli import main
-from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
+from batchspec.cli.main import main
+from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
 
 PROMPTS = [
     "What is the capital of France?",

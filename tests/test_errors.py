@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from batchspec.cli import main
+from batchspec.cli.main import main
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from batchspec import fetching, known_models
+from batchspec.weights import fetching, known_models
 from batchspec.errors import BatchspecError
-from batchspec.known_models import KnownModel, Part, data_wheels
+from batchspec.weights.known_models import KnownModel, Part, data_wheels
 
 from test_errors import assert_clear_error, run_cli
 
@@ -148,7 +148,7 @@ def test_cli_names(capsys):
 
 
 def test_default_draft_follows_a_named_target():
-    from batchspec.cli import resolve_draft
+    from batchspec.cli.options import resolve_draft
 
     assert resolve_draft("default", "qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
     assert resolve_draft("default", "default") == str(known_models.default_draft_dir())

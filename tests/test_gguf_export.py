@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchspec.known_models import default_target_path
-from batchspec.gguf_export import permute_rope, write_draft_gguf
-from batchspec.loading import check_draft_compatible, load_model, unpermute_rope
+from batchspec.weights.known_models import default_target_path
+from batchspec.distill.gguf_export import permute_rope, write_draft_gguf
+from batchspec.weights.loading import check_draft_compatible, load_model, unpermute_rope
 
 
 def test_permute_inverts_unpermute():

@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec import Engine, SamplingParams
-from batchspec.known_models import default_target_path
+from batchspec.weights.known_models import default_target_path
 from batchspec.errors import BatchspecError
-from batchspec.gguf_export import write_draft_gguf
-from batchspec.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab
-from batchspec.loading import LoadedModel, load_model
-from batchspec.model import Transformer
-from batchspec.speculative import SpecConfig
+from batchspec.distill.gguf_export import write_draft_gguf
+from batchspec.weights.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab
+from batchspec.weights.loading import LoadedModel, load_model
+from batchspec.runtime.model import Transformer
+from batchspec.spec.config import SpecConfig
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is a binary search? Answer briefly.",
            "Write a Python function that returns the n-th Fibonacci number."]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchspec.config import ModelConfig
+from batchspec.runtime.config import ModelConfig
 from batchspec.errors import BatchspecError
-from batchspec.kv_cache import KVCache
+from batchspec.runtime.kv_cache import KVCache
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=4, max_position_embeddings=64)
@@ -36,7 +36,7 @@ def test_slots_allocate_release_and_truncate():
 def test_attention_paths_agree_bit_for_bit(tiny_model_factory):
     """The same two requests decoded from adjacent slots (keys read in place), slots with a hole between them
     (in place over the span), far apart (gathered) and in swapped order give identical logits."""
-    from batchspec.loading import load_model
+    from batchspec.weights.loading import load_model
 
     model = load_model(tiny_model_factory(name="paths", seed=3)).transformer
     cache = model.new_cache(num_slots=6, max_len=32)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from batchspec.errors import BatchspecError
-from batchspec.linear import BACKENDS, ENV_VAR, PackedWeights, choose_backend, default_backend, linear, onednn_available
+from batchspec.runtime.linear import BACKENDS, ENV_VAR, PackedWeights, choose_backend, default_backend, linear, onednn_available
 
 
 def test_auto_takes_onednn_on_amd_only_where_the_build_has_it():
@@ -73,8 +73,8 @@ def test_packed_weights_are_made_once_per_matrix():  # the pinned x86 PyTorch wh
 
 
 def test_a_model_packs_every_matrix_up_front_and_keeps_one_copy(tiny_model_factory):
-    from batchspec.linear import dense
-    from batchspec.loading import load_transformer
+    from batchspec.runtime.linear import dense
+    from batchspec.weights.loading import load_transformer
 
     model = load_transformer(tiny_model_factory())
     originals = [dense(getattr(layer, name)).clone() for layer in model.layers for name in layer.MATRICES]
@@ -103,7 +103,7 @@ def test_a_model_packs_every_matrix_up_front_and_keeps_one_copy(tiny_model_facto
 
 
 def test_int8_weights_multiply_as_their_dequantised_values_and_rows_stay_independent():
-    from batchspec.linear import Int8Weight, dense
+    from batchspec.runtime.linear import Int8Weight, dense
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = 0.05 * torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen).bfloat16()

@@ -1,13 +1,13 @@
 """The native runtime reproduces transformers' logits (fp32 rounding: max |diff| <= 1e-4, or 1e-5 of the largest
-logit), also on ragged batches, with either library under its float32 linear layers (`batchspec.linear`)."""
+logit), also on ragged batches, with either library under its float32 linear layers (`batchspec.runtime.linear`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from batchspec.linear import BACKENDS, onednn_available
-from batchspec.loading import load_transformer
+from batchspec.runtime.linear import BACKENDS, onednn_available
+from batchspec.weights.loading import load_transformer
 
 LINEAR_BACKENDS = [b for b in BACKENDS if b != "onednn" or onednn_available()]
 
@@ -72,7 +72,7 @@ def test_default_model_matches_transformers(default_model, default_model_dir, ba
 
 def test_gguf_dequantisation_matches_transformers_gguf_loader(default_model, default_model_dir):
     """transformers dequantises the GGUF file by itself: this checks our conversion (incl. the q/k un-permute)."""
-    from batchspec.known_models import default_target_path
+    from batchspec.weights.known_models import default_target_path
 
     gguf_path = default_target_path()
     ids = default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")

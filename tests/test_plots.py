@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from batchspec.plots import write_plots
+from batchspec.bench.plots import write_plots
 
 
 def _results(sweep: dict | None = None) -> dict:

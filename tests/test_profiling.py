@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import batchspec.profiling as profiling
-from batchspec.loading import load_model
+import batchspec.spec.step_time as profiling
+from batchspec.weights.loading import load_model
 
 
 def test_step_time_profile_is_cached(tmp_path, monkeypatch, tiny_model_factory):

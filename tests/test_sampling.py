@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchspec.errors import BatchspecError
-from batchspec.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
+from batchspec.runtime.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from batchspec.cost_model import LinearCostModel, RooflineCostModel, fit_from_trace, load_cost_model
+from batchspec.sim.cost_models import LinearCostModel, RooflineCostModel, fit_from_trace, load_cost_model
 from batchspec.errors import BatchspecError
-from batchspec.sim import SimConfig, build_timelines, run_sim, simulate
-from batchspec.trace import COUNTERS, FORMAT, Trace, TraceRecorder, load_trace, save_trace
+from batchspec.sim.simulate import SimConfig, build_timelines, run_sim, simulate
+from batchspec.engine.trace import COUNTERS, FORMAT, Trace, TraceRecorder, load_trace, save_trace
 
 # One target forward = 1 s, everything else free: simulated time counts target calls.
 UNIT = LinearCostModel("unit", target_fixed_s=1.0, target_per_token_s=0.0, draft_fixed_s=0.0, draft_per_seq_s=0.0,
@@ -212,7 +212,7 @@ def _noisy_copy(model_dir, out, sigma: float = 0.02):
 
 def test_record_and_replay_tiny_models(tmp_path, tiny_model_factory):
     """bench --record-trace on tiny models, then sim: a replay of the recorded run reproduces its steps exactly."""
-    from batchspec.cli import main
+    from batchspec.cli.main import main
 
     target = tiny_model_factory(name="target", seed=0)
     draft = _noisy_copy(target, tmp_path / "draft")

@@ -9,11 +9,11 @@ import torch
 
 from batchspec import Engine, SamplingParams
 from batchspec.errors import BatchspecError
-from batchspec.loading import LoadedModel, load_model
-from batchspec.model import Transformer
-from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
-from batchspec.dsd import StepTimeModel
-from batchspec.speculative import SpecConfig
+from batchspec.weights.loading import LoadedModel, load_model
+from batchspec.runtime.model import Transformer
+from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
+from batchspec.spec.step_time import StepTimeModel
+from batchspec.spec.config import SpecConfig
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
            "Explain what a hash table is in two sentences."] + [humaneval_chat_prompt(p) for p in humaneval_prompts()[:2]]
@@ -96,7 +96,7 @@ def test_speculative_policy_needs_a_draft(default_model):
 @pytest.mark.parametrize("policy", ["sd", "tetris"])
 def test_bfloat16_draft_stays_lossless(default_model, ar_outputs, policy):
     # The shipped draft in bfloat16 (the `auto` choice on CPUs with native bfloat16): only the target decides.
-    from batchspec.known_models import default_draft_dir
+    from batchspec.weights.known_models import default_draft_dir
 
     draft = load_model(default_draft_dir(), dtype=torch.bfloat16)
     engine = Engine(default_model, draft, SpecConfig(policy=policy, k=3, extra=2), max_batch_size=3)

@@ -14,14 +14,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import batchspec.sprinter_data as sprinter_data
-from batchspec.cli import main
+import batchspec.sprinter.data as sprinter_data
+from batchspec.cli.main import main
 from batchspec.errors import BatchspecError
-from batchspec.loading import TOKENIZER_FILES, load_model
-from batchspec.sprinter import Verifier, calibrated_log_probs, load_verifier, save_verifier, verifier_probs
-from batchspec.sprinter_train import (TrainConfig, auroc, balance_weight, best_accuracy_threshold, fit, rates,
+from batchspec.weights.fingerprint import weight_fingerprint
+from batchspec.weights.loading import TOKENIZER_FILES, load_model
+from batchspec.spec.verifier import Verifier, calibrated_log_probs, load_verifier, save_verifier, verifier_probs
+from batchspec.sprinter.train import (TrainConfig, auroc, balance_weight, best_accuracy_threshold, fit, rates,
                                       threshold_matching_fn, train_verifier)
-from batchspec.sprinter_data import CollectConfig, load_data, run_collect, token_features, validation_prompts
+from batchspec.sprinter.data import CollectConfig, load_data, run_collect, token_features, validation_prompts
 from conftest import make_tiny_model
 
 PROMPTS = [
@@ -90,7 +91,7 @@ def test_collect_train_eval_end_to_end(pair, collected, tmp_path, capsys):
     assert torch.equal(rows["y_sd"].bool(), rows["logq"] <= rows["logp"])
     assert torch.equal(rows["y_greedy"].bool(), rows["draft_token"] == rows["target_argmax"])
     draft = load_model(draft_dir)
-    assert data.meta["draft"]["fingerprint"] == sprinter_data.weight_fingerprint(draft.transformer)
+    assert data.meta["draft"]["fingerprint"] == weight_fingerprint(draft.transformer)
     assert data.meta["draft"]["config"]["hidden_size"] == 64
 
     # the first answer position of prompt 0 equals a plain forward of the chat-formatted prompt through the draft

@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchspec.engine import Engine
+from batchspec.engine.engine import Engine
 from batchspec.errors import BatchspecError
-from batchspec.loading import LoadedModel, load_model
-from batchspec.model import Transformer
-from batchspec.sampling import SamplingParams
-from batchspec.speculative import SpecConfig
-from batchspec.sprinter import Verifier, save_verifier
-from batchspec.sprinter_data import weight_fingerprint
+from batchspec.weights.loading import LoadedModel, load_model
+from batchspec.runtime.model import Transformer
+from batchspec.runtime.sampling import SamplingParams
+from batchspec.spec.config import SpecConfig
+from batchspec.spec.verifier import Verifier, save_verifier
+from batchspec.weights.fingerprint import weight_fingerprint
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "for i in range(", "import numpy as"]
 
@@ -84,7 +84,7 @@ def test_verifier_for_another_draft_is_refused(pair):
 
 
 def test_bench_reports_quality_of_lossy_runs(pair, tmp_path):
-    from batchspec.bench import BenchConfig, format_table, run_bench
+    from batchspec.bench.run import BenchConfig, format_table, run_bench
 
     target, draft, verifier = pair
     config = BenchConfig(dataset="humaneval", num_prompts=3, batch_size=3, policies=("ar", "sd", "sprinter"),
@@ -94,7 +94,7 @@ def test_bench_reports_quality_of_lossy_runs(pair, tmp_path):
     assert [(r["policy"], r["tau"]) for r in results["runs"]] == [("ar", 0.4), ("sd", 0.4), ("sprinter", 0.4),
                                                                   ("sprinter", 0.6)]
     assert results["runs"][-1]["match_ar"] == 1.0  # tau above every verifier probability: lossless
-    from batchspec.plots import write_plots
+    from batchspec.bench.plots import write_plots
 
     assert any(p.name == "sprinter_speed_quality.png" for p in write_plots(results, tmp_path))
     runs = {r["policy"]: r for r in results["runs"][:3]}
@@ -105,7 +105,7 @@ def test_bench_reports_quality_of_lossy_runs(pair, tmp_path):
 
 def test_bench_sweeps_tetris_scores_in_one_run(pair):
     """Learned-score Tetris beside plain Tetris: a tetris_scores sweep re-runs only tetris; both stay lossless."""
-    from batchspec.bench import BenchConfig, parse_sweep, run_bench
+    from batchspec.bench.run import BenchConfig, parse_sweep, run_bench
 
     target, draft, verifier = pair
     config = BenchConfig(dataset="humaneval", num_prompts=3, batch_size=3, policies=("ar", "tetris"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchspec.sprinter_theory import (expected_block_length, sd_latency_per_token, simulate_blocks,
+from batchspec.sprinter.theory import (expected_block_length, sd_latency_per_token, simulate_blocks,
                                        simulate_token_distribution, sprinter_distribution,
                                        sprinter_latency_per_token, sprinter_tv, tokens_per_target_call,
                                        total_variation)

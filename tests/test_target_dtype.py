@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from batchspec import Engine, SamplingParams
-from batchspec.known_models import default_draft_dir
-from batchspec.loading import load_model
-from batchspec.linear import Int8Weight
-from batchspec.dsd import StepTimeModel
-from batchspec.prompts import humaneval_chat_prompt, humaneval_prompts
-from batchspec.speculative import SpecConfig
+from batchspec.weights.known_models import default_draft_dir
+from batchspec.weights.loading import load_model
+from batchspec.runtime.linear import Int8Weight
+from batchspec.spec.step_time import StepTimeModel
+from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
+from batchspec.spec.config import SpecConfig
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
            "Explain what a hash table is in two sentences."] + [humaneval_chat_prompt(p) for p in humaneval_prompts()[:2]]
@@ -112,7 +112,7 @@ def test_int4_weights_round_trip_and_stay_a_drafts_option(tiny_model_factory):
     a step of the originals; a tiny Qwen2 target with its int4 copy as the draft stays lossless; an int4 target is
     refused (its kernels are not known to be batch-invariant)."""
     from batchspec.errors import BatchspecError
-    from batchspec.linear import Int4Weight, dense
+    from batchspec.runtime.linear import Int4Weight, dense
 
     weight = torch.randn(96, 64)
     quantized = Int4Weight.quantize(weight)

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchspec.selection import sd_windows
-from batchspec.tetris import expected_accepted, oracle_windows, tetris_windows
+from batchspec.spec.policies.base import sd_windows
+from batchspec.spec.policies.tetris import expected_accepted, oracle_windows, tetris_windows
 
 FAST = settings(max_examples=150, derandomize=True, deadline=None)
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import batchspec.verification as verification
-from batchspec.tetris import expected_accepted
-from batchspec.verification import (
+import batchspec.spec.verification as verification
+from batchspec.spec.policies.tetris import expected_accepted
+from batchspec.spec.verification import (
     acceptance_probs,
     greedy_acceptance_probs,
     residual_distribution,

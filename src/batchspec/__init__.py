@@ -7,11 +7,13 @@ Library API::
     outputs = engine.generate(["What is the capital of France?"], SamplingParams(max_tokens=24), chat=True)
 """
 
-from batchspec.engine import Engine, GenerationOutput, configure_threads
+from batchspec.engine.engine import Engine, GenerationOutput
+from batchspec.runtime.threads import configure_threads
 from batchspec.errors import BatchspecError
-from batchspec.loading import LoadedModel, load_model
-from batchspec.sampling import SamplingParams
+from batchspec.weights.loading import LoadedModel, load_model
+from batchspec.runtime.sampling import SamplingParams
+from batchspec.spec.config import SpecConfig
 
-__all__ = ["BatchspecError", "Engine", "GenerationOutput", "LoadedModel", "SamplingParams", "configure_threads",
-           "load_model"]
+__all__ = ["BatchspecError", "Engine", "GenerationOutput", "LoadedModel", "SamplingParams", "SpecConfig",
+           "configure_threads", "load_model"]
 __version__ = "0.1.0"

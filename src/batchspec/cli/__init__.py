@@ -1,0 +1,5 @@
+"""The `batchspec` command line: one module per subcommand over the shared options in `options.py`."""
+
+from batchspec.cli.main import main
+
+__all__ = ["main"]

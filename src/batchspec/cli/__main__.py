@@ -1,0 +1,5 @@
+import sys
+
+from batchspec.cli.main import main
+
+sys.exit(main())

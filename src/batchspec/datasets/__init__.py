@@ -1,0 +1,1 @@
+"""Prompt sources: HumanEval (the held-out benchmark), JSONL, ShareGPT and plain-text files."""

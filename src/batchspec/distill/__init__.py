@@ -1,0 +1,1 @@
+"""`batchspec distill`: a draft model distilled from the target on Python-function prompts."""

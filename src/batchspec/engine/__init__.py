@@ -1,0 +1,1 @@
+"""The engine: requests, the continuous-batching scheduler, the model runner and the step loop."""

@@ -1,0 +1,297 @@
+"""The generation engine: requests in, texts out, over a batch that requests join and leave independently.
+
+`Engine.generate(prompts, SamplingParams)` is the library API the CLI is a thin layer over. The engine owns a run's
+scheduler (`scheduler.py`: admission into free cache slots, retiring finished requests), its model runner
+(`model_runner.py`: both models and their caches) and its policy (`spec.policies`: how much to draft, which drafts
+the target verifies). A step is schedule -> model work -> postprocess, as nano-vllm's `LLMEngine.step`; the server's
+engine thread drives the same `open` / `add_request` / `step` API while requests arrive and leave at any time:
+
+    engine.open(num_slots=16, max_len=2048)
+    request_id = engine.add_request(prompt_ids, SamplingParams(max_tokens=32))
+    while engine.has_work():
+        for out in engine.step():
+            ...  # out.request_id, out.new_token_ids, out.finish_reason
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from batchspec.engine.model_runner import ModelRunner
+from batchspec.engine.request import GenerationOutput, Request, commit_tokens, output_of
+from batchspec.engine.scheduler import Scheduler, StepOutput
+from batchspec.errors import BatchspecError
+from batchspec.weights.loading import LoadedModel, check_draft_compatible, load_model
+from batchspec.runtime.precision import DEFAULT_TARGET_DTYPE
+from batchspec.runtime.threads import configure_threads
+from batchspec.runtime.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
+from batchspec.spec.config import SpecConfig
+from batchspec.spec.policies import Policy, StepTime, make_policy, policy_class
+from batchspec.spec.stats import RunStats, StepOutcome, summarize
+
+Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
+
+
+class Engine:
+    """Batched generation with the target alone (`ar`), speculatively with a draft (sd, dsd, tetris, oracle; all
+    lossless), or with SPRINTER's learned verifier (`sprinter`, approximate)."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
+                 max_batch_size: int = 16, prefill_tokens: int = 2048, seed: int = 0,
+                 step_time: StepTime | None = None) -> None:
+        """`step_time` is dsd's T(B, k) model; None profiles this machine when a dsd run first opens."""
+        if max_batch_size < 1:
+            raise BatchspecError(f"batch size must be at least 1, got {max_batch_size}")
+        self.spec = spec or SpecConfig()
+        policy = policy_class(self.spec.policy)
+        policy.validate(self.spec, max_batch_size)
+        speculative = policy.speculative
+        if speculative and draft is None:
+            raise BatchspecError(f"policy {self.spec.policy!r} needs a draft model (--draft)")
+        if draft is not None:
+            check_draft_compatible(target, draft)
+        verifier = None
+        if self.spec.verifier is not None and speculative:
+            from batchspec.spec.verifier import load_verifier
+
+            verifier = load_verifier(self.spec.verifier, draft)  # refuses one trained for another draft
+        # SPRINTER's learned verifier goes to the policy that uses it (sprinter, or Tetris scored by it).
+        self.policy: Policy = make_policy(self.spec, verifier, max_batch_size)
+        if target.transformer.precision == "int4":
+            raise BatchspecError("int4 weights are a draft's option (--draft-dtype int4); the target's must stay "
+                                 "batch-invariant: use float32, bfloat16 or int8")
+        self.target = target
+        self.draft = draft
+        for model in (target, draft) if draft is not None else (target,):
+            model.transformer.pack_weights()  # oneDNN's layout now, not on the first request
+        if draft is not None and draft is not target:
+            # The draft only proposes: its rounding may depend on the batch (faster bfloat16 kernels), the
+            # target's may not (`Transformer.batch_invariant`).
+            draft.transformer.batch_invariant = False
+        self.max_batch_size = max_batch_size
+        self.prefill_tokens = prefill_tokens
+        self.seed = seed
+        self.step_time = step_time
+        self.stats = RunStats()  # counters of the last `generate` (or, in a server, since the engine started)
+        self.last_requests: list[Request] = []  # of the last `generate`, for metrics()
+        self.scheduler: Scheduler | None = None  # of the open run
+        self.runner: ModelRunner | None = None
+        self._trace = None
+        self._keep_windows = True
+
+    @classmethod
+    def from_pretrained(cls, target: str = "default", draft: str | None = None, draft_dtype: str = "auto",
+                        target_dtype: str = DEFAULT_TARGET_DTYPE, **kwargs) -> Engine:
+        """Load both models by name or path, each in its dtype (`precision.PRECISIONS`; the draft also `auto`)."""
+        configure_threads()
+        return cls(load_model(target, dtype=target_dtype), load_model(draft, dtype=draft_dtype) if draft else None,
+                   **kwargs)
+
+    # --- prompts -> requests -------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt, chat: bool) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if isinstance(prompt, list):
+            return tokenizer.encode(tokenizer.apply_chat_template(prompt))
+        return tokenizer.encode_user_message(prompt) if chat else tokenizer.encode(prompt)
+
+    @property
+    def context_length(self) -> int:
+        """Longest prompt + output either model can take."""
+        context = self.target.config.max_position_embeddings
+        if self.draft is not None:
+            context = min(context, self.draft.config.max_position_embeddings)
+        return context
+
+    def _encode_all(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
+                    chat: bool) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt ids, params) per prompt, every prompt checked before any work starts."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise BatchspecError(f"got {len(params)} sampling parameter sets for {len(prompts)} prompts")
+        context = self.context_length
+        encoded = []
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
+            if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
+                raise BatchspecError(f"prompt {index} is empty")
+            ids = self.encode_prompt(prompt, chat)
+            if not ids:
+                raise BatchspecError(f"prompt {index} is empty after tokenisation")
+            if len(ids) + p.max_tokens > context:
+                raise BatchspecError(
+                    f"prompt {index} has {len(ids)} tokens; with max_tokens {p.max_tokens} it exceeds the "
+                    f"context window of {context} tokens"
+                )
+            encoded.append((ids, p))
+        return encoded
+
+    # --- a run: open, add requests, step -----------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 chat: bool = False, progress: bool = False, trace=None) -> list[GenerationOutput]:
+        """Generate for every prompt; outputs come back in prompt order. Counters end up in `self.stats`.
+
+        `trace`: an optional `engine.trace.TraceRecorder`, given every step's draft log-probs and true acceptance
+        probabilities whenever they are measured (`SpecConfig.measure_oracle` or the oracle policy).
+        """
+        if not prompts:
+            raise BatchspecError("no prompts given")
+        encoded = self._encode_all(prompts, params or SamplingParams(), chat)
+        # Room for the longest request plus one step's speculative overshoot (rolled back afterwards).
+        longest = max(len(ids) + p.max_tokens for ids, p in encoded) + self.max_draft_length() + 2
+        self.open(min(self.max_batch_size, len(encoded)), longest, trace=trace)
+        self.stats = RunStats()
+        requests = [self.scheduler.request(self.add_request(ids, p)) for ids, p in encoded]  # ids 0..n-1
+        bar = _progress_bar(len(requests), progress)
+        start = time.perf_counter()
+        while self.has_work():
+            bar.update(sum(out.finish_reason is not None for out in self.step()))
+        self.stats.wall_s = time.perf_counter() - start - self.stats.measure_s
+        bar.close()
+        self.last_requests = requests
+        return [self.output(r) for r in requests]
+
+    def open(self, num_slots: int, max_len: int, trace=None, keep_windows: bool = True) -> None:
+        """Start a run: a fresh scheduler and fresh caches of `num_slots` requests of up to `max_len` tokens (profiles
+        dsd's step time on first use). `keep_windows`: keep every step's windows in `stats.window_history` (off in a
+        long-lived server); `trace`: as in `generate`."""
+        if self.policy.needs_step_time and self.step_time is None:
+            self.step_time = self._profile_step_time()
+        self.runner = ModelRunner(self.target, self.draft if self.policy.speculative else None, num_slots, max_len)
+        # Longest prompt + output a request may have: the cache, less one step's speculative overshoot.
+        self.scheduler = Scheduler(num_slots, min(self.context_length, self.runner.max_len), self.seed)
+        self._trace, self._keep_windows = trace, keep_windows
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Queue a request of the open run; returns its id (0, 1, 2, ...)."""
+        return self.scheduler.add_request(prompt_ids, params)
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request of the open run (see `Scheduler.abort`)."""
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        """Schedule -> model work -> postprocess: prefill the newly admitted requests, or else advance every active
+        one by a decoding or speculative step."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        if scheduled.prefill:
+            self._prefill(scheduled.admitted)
+        elif self.policy.speculative:
+            self._speculate(scheduled.active)
+        else:
+            self._decode(scheduled.active)
+        return self.scheduler.postprocess(scheduled)
+
+    def metrics(self) -> dict:
+        """DESIGN.md section 6 metrics of the last `generate` call.
+
+        Per-request latencies are wall-clock and so still include `--measure-oracle`'s untimed passes.
+        """
+        outputs = [self.output(r) for r in self.last_requests]
+        return summarize(self.stats, [o.latency_s for o in outputs], [o.ttft_s for o in outputs])
+
+    @property
+    def speculative(self) -> bool:
+        return self.policy.speculative
+
+    def max_draft_length(self) -> int:
+        """Most draft tokens one step may write past a request's committed length (cache head-room)."""
+        return self.policy.max_draft_length()
+
+    # --- the model work of a step ---------------------------------------------------------------------------------
+
+    def _prefill(self, admitted: list[Request]) -> None:
+        """Run the prompts of newly admitted requests, packed, in chunks of about `prefill_tokens` tokens."""
+        group: list[Request] = []
+        for request in admitted + [None]:
+            if request is not None and (not group or sum(len(r.prompt_ids) for r in group) + len(
+                    request.prompt_ids) <= self.prefill_tokens):
+                group.append(request)
+                continue
+            self._sample_and_commit(group, self.runner.prefill(group, self.stats))
+            for r in group:
+                r.draft_pending = r.output_ids[-1:]
+            group = [request] if request is not None else []
+
+    def _decode(self, active: list[Request]) -> None:
+        logits = self.runner.decode(active, self.stats)
+        before = self.stats.emitted_tokens
+        self._sample_and_commit(active, logits)
+        for request in active:
+            request.target_steps += 1
+        self.stats.record_step(len(active), StepOutcome(self.stats.emitted_tokens - before))
+
+    def _speculate(self, active: list[Request]) -> None:
+        """One speculative step: 1 + accepted tokens per request, both caches rolled back to what was committed."""
+        plan = self.policy.plan(len(active), self.step_time).clamped(self.runner.room(active), len(active))
+        if plan.k_prime == 0:
+            self._decode(active)
+            self.runner.resync_draft(active)
+            return
+        on_measured = None
+        if self._trace is not None:
+            def on_measured(logprobs, accept_probs):  # mid-step, as `trace.fit_from_trace` expects
+                self._trace.record(active, logprobs, accept_probs, self.stats)
+        result = self.runner.speculate(active, self.policy, plan, self.stats, measure=self._measures,
+                                       on_measured=on_measured)
+        before = self.stats.emitted_tokens
+        now = time.perf_counter()
+        for row, request in enumerate(active):
+            self.commit(request, result.emitted(row), now)
+            request.target_steps += 1
+            request.drafted_tokens += result.drafted[row]
+            request.verified_tokens += result.windows[row]
+            request.accepted_tokens += result.accepted[row]
+        self.runner.resync_draft(active)
+        outcome = StepOutcome(self.stats.emitted_tokens - before, result.windows, result.accepted, result.expected)
+        self.stats.record_step(len(active), outcome, keep_windows=self._keep_windows)
+
+    @property
+    def _measures(self) -> bool:
+        """The untimed oracle pass (`--measure-oracle`); an approximate policy has no oracle to compare with."""
+        return self.spec.measure_oracle and self.policy.lossless
+
+    def _sample_and_commit(self, requests: list[Request], logits: torch.Tensor) -> None:
+        """logits (N, V), one row per request: sample the next token and append it."""
+        params = [r.params for r in requests]
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            probs = token_probs(logits, *params_tensors(params))
+            uniforms = torch.cat([r.uniform() for r in requests])
+            tokens = sample_with_uniforms(probs, uniforms)
+        now = time.perf_counter()
+        for request, token in zip(requests, tokens.tolist()):
+            self.commit(request, [token], now)
+
+    def _profile_step_time(self) -> StepTime:
+        """Fit dsd's step-time model T(B, k) from timed target and draft forwards on scratch caches."""
+        from batchspec.spec.step_time import cached_step_time
+
+        return cached_step_time(self.target.transformer, self.draft.transformer, self.max_batch_size,
+                                self.spec.k_max)
+
+    # --- finishing ------------------------------------------------------------------------------------------------
+
+    def commit(self, request: Request, tokens: list[int], now: float) -> None:
+        """Append emitted tokens to a request and decide whether it is finished."""
+        self.stats.emitted_tokens += commit_tokens(request, tokens, now, self.target.eos_token_ids,
+                                                   self.target.tokenizer)
+
+    def output(self, request: Request) -> GenerationOutput:
+        return output_of(request, self.target.eos_token_ids, self.target.tokenizer)
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", disable=not enabled, leave=False)

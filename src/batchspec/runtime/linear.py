@@ -1,0 +1,243 @@
+"""The runtime's linear layers on CPU: which library multiplies (MKL or oneDNN) and in which operand order.
+
+PyTorch hands a float32 `F.linear` to MKL's sgemm. On AMD CPUs MKL runs a generic code path; oneDNN picks its
+kernels from the instruction sets the CPU reports, whoever made it. Measured on an AMD EPYC (Zen 5, AVX-512,
+2 threads; 30 layers' 3072 x 576 gate/up matrices, ms per pass over all 30):
+
+    rows          1      16      80       LM head 49152 x 576 at 80 rows
+    MKL        14.5    22.7    68.5       43.3
+    oneDNN      7.1    14.4    41.6       15.8     (weights as stored)
+
+oneDNN runs faster still on weights reordered once into its own blocked layout (`PackedWeights`) instead of on
+every call: 1.2-1.7x again in interleaved runs (16 rows 16.3 vs 25.4 ms, 80 rows 34.3 vs 44.3 on a busy host),
+whatever the row count the layout was made for. The packed copies cost memory (as much as the matrices; the
+originals stay for everything else that reads weights). A bfloat16 model (a draft) runs on packed weights too:
+PyTorch already sends bfloat16 matmuls to oneDNN but reorders the weights on every call; packed, the shipped
+draft's six layers and head ran 2-3x faster (16 rows 5.9 -> 3.0 ms, one row 5.7 -> 2.0 ms).
+
+On Intel CPUs MKL is at least as fast (measured on a Xeon with AVX-512, through PyTorch's mkldnn tensors: oneDNN
+no faster at 16 rows, 1.7x slower at 80), so `auto` keeps MKL there, and PyTorch's own bfloat16 matmul. The choice
+changes rounding only (sums run in another order): the default target's logits stay within 1.2e-4 of
+transformers' either way (`tests/test_model_vs_hf.py` checks both).
+
+`BATCHSPEC_LINEAR_BACKEND=auto|mkl|onednn` overrides the choice for a process; `Transformer.linear_backend` for one
+model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchspec.errors import BatchspecError
+from batchspec.runtime.precision import cpuinfo_field
+
+BACKENDS: tuple[str, ...] = ("mkl", "onednn")
+ENV_VAR = "BATCHSPEC_LINEAR_BACKEND"
+
+
+def onednn_available() -> bool:
+    """Whether this PyTorch build can run a float32 linear layer through oneDNN."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def choose_backend(choice: str, vendor: str, onednn: bool) -> str:
+    """`auto` -> oneDNN on non-Intel x86 CPUs where the build has it, else MKL; a named backend as named.
+
+    vendor: /proc/cpuinfo's vendor_id ('AuthenticAMD', 'GenuineIntel', '' where unknown).
+    """
+    if choice == "auto":
+        return "onednn" if onednn and vendor == "AuthenticAMD" else "mkl"
+    if choice not in BACKENDS:
+        raise BatchspecError(f"unknown linear backend {choice!r} ({ENV_VAR}); use auto, {', '.join(BACKENDS)}")
+    if choice == "onednn" and not onednn:
+        raise BatchspecError(f"{ENV_VAR}=onednn, but this PyTorch build has no oneDNN (mkldnn) linear layer")
+    return choice
+
+
+def default_backend() -> str:
+    """The backend for this process: `BATCHSPEC_LINEAR_BACKEND` (default auto), resolved for this CPU."""
+    return choose_backend(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto",
+                          cpuinfo_field("vendor_id"), onednn_available())
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A matrix in weight-only int8: symmetric per-output-channel scales, activations stay bfloat16.
+
+    There is no activation quantization, so a row's result never depends on the other rows of its batch (a
+    per-tensor activation scale would make a request's output depend on its neighbours and break greedy equality
+    with `ar`). Multiplied by `torch._weight_int8pack_mm`: measured here (AVX512 Zen 5, 2 threads, one 8960 x 1536
+    matrix) 0.85 ms at one row vs 1.79 for packed bfloat16, 1.45 vs 1.72 at four, 6.2 vs 1.9 at sixteen — a gain
+    only for a handful of rows.
+    """
+
+    values: torch.Tensor  # (out, in) int8
+    scales: torch.Tensor  # (out,) bfloat16: weight ~ values * scales[:, None]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        w = weight.float()
+        # The scales are rounded to bfloat16 (what the kernel reads) before the values are: each value is then the
+        # nearest multiple of the scale actually used, within half a step.
+        scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(torch.bfloat16)  # (out,)
+        values = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(values.contiguous(), scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scales.float()[:, None]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def numel(self) -> int:
+        return self.values.numel()
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A matrix in weight-only int4 with bfloat16 activations: asymmetric, one (scale, zero) per group of `GROUP`
+    input columns, multiplied by `torch._weight_int4pack_mm_for_cpu`. A draft's option (`--draft-dtype int4`): the
+    draft only proposes, so its rounding never reaches an output, and at one row it streams a quarter of
+    bfloat16's bytes. Measured here (Xeon, AMX, 2 threads; the 0.5B draft's 24 layers of matrices): 12.2 ms per
+    pass at one row vs 35 ms for bfloat16's gemv, 20.8 vs 34.7 at four rows, 71 vs 34 at sixteen, so it pays for a
+    few rows only. The Qwen drafts ship as Q4_K (4-bit values with a scale and offset per 32 columns), which this
+    layout holds nearly exactly.
+
+    w ~ (q - 8) * scale + zero for q in [0, 15], per group (torch's int4 convention).
+    """
+
+    packed: torch.Tensor  # (out, in / 2) uint8, two 4-bit values per byte, as torch's CPU kernel wants them
+    scales_zeros: torch.Tensor  # (in / GROUP, out, 2) bfloat16
+    shape: torch.Size  # (out, in)
+
+    GROUP = 32
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Weight:
+        out_features, in_features = weight.shape
+        if in_features % cls.GROUP:
+            raise BatchspecError(f"int4 weights need input sizes divisible by {cls.GROUP}, got {in_features}")
+        groups = weight.float().reshape(out_features, in_features // cls.GROUP, cls.GROUP)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-8).to(torch.bfloat16).float()  # rounded as the kernel reads it
+        values = torch.round((groups - low) / scale).clamp(0, 15)
+        zero = (low + 8 * scale).to(torch.bfloat16)  # q = 8 maps to `zero`
+        packed = torch._convert_weight_to_int4pack_for_cpu(values.to(torch.int32).reshape(weight.shape), 2)
+        scales_zeros = torch.stack([scale.to(torch.bfloat16)[..., 0].t(), zero[..., 0].t()], dim=-1).contiguous()
+        return cls(packed, scales_zeros, torch.Size(weight.shape))
+
+    def dequantize(self) -> torch.Tensor:
+        identity = torch.eye(self.shape[1], dtype=torch.bfloat16)
+        return torch._weight_int4pack_mm_for_cpu(identity, self.packed, self.GROUP, self.scales_zeros).t().float()
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """A weight as an ordinary strided tensor (oneDNN's packed layout and int8/int4 undone) for code that reads
+    values."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.dequantize()
+    return weight.to_dense() if weight.is_mkldnn else weight
+
+
+BF16_ROWS = 16  # bfloat16 products run in blocks of exactly this many rows (see `_in_fixed_row_blocks`)
+
+
+def _in_fixed_row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
+                         packed: PackedWeights | None) -> torch.Tensor:
+    """x (N, in) bfloat16 @ weight^T in blocks of `BF16_ROWS` rows, the last one padded with zero rows.
+
+    Batch invariance: MKL's and oneDNN's bfloat16 kernels split the reduction differently for different row counts
+    (measured here: a 576 x 1536 product's rows differ by a bfloat16 ulp between 3 and 300 rows; oneDNN's beyond 16
+    rows), so a request's logits would depend on how many rows its batch had, and speculative verification (B*(k+1)
+    rows) would drift from `ar` (B rows). One call shape for every product makes each row's result a function of
+    that row alone. In the memory-bound regime of decoding a 16-row block costs what one row does (a 8960 x 1536
+    matrix: 1.49 ms for 16 rows, 1.51 for a gemv); a prefill of many rows pays one weight pass per block.
+    """
+    rows = x.shape[0]
+    padded = x.new_zeros(rows + (-rows) % BF16_ROWS, x.shape[1])
+    padded[:rows] = x
+    blocks = [linear(padded[i:i + BF16_ROWS], weight, bias, backend, packed=packed)
+              for i in range(0, padded.shape[0], BF16_ROWS)]
+    return (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:rows]
+
+
+class PackedWeights:
+    """oneDNN's blocked copies of weight matrices (float32 or bfloat16), each made on its first use and kept.
+
+    Keyed by the weight tensor itself (identity): a matrix replaced by a new tensor gets a new copy; one changed
+    in place does not (the runtime never does that; call `clear`).
+    """
+
+    ROWS_HINT = 16  # the row count oneDNN chooses the layout for; every row count runs on it
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        entry = self._by_id.get(id(weight))
+        if entry is None or entry[0] is not weight:
+            entry = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.ROWS_HINT))
+            self._by_id[id(weight)] = entry
+        return entry[1]
+
+    def discard(self, weight: torch.Tensor) -> None:
+        """Forget `weight`'s copy (a matrix the model no longer uses)."""
+        entry = self._by_id.get(id(weight))
+        if entry is not None and entry[0] is weight:
+            del self._by_id[id(weight)]
+
+    def clear(self) -> None:
+        self._by_id.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+           backend: str = "mkl", reference_order: bool = False, packed: PackedWeights | None = None,
+           batch_invariant: bool = True) -> torch.Tensor:
+    """x (N, in) @ weight (out, in)^T (+ bias) -> (N, out).
+
+    An `Int8Weight` / `Int4Weight`: the weight-only int8 / int4 kernel (x in bfloat16). A weight already in
+    oneDNN's layout (`is_mkldnn`, see `Transformer.pack_weights`): oneDNN. float32 or bfloat16 with
+    `backend="onednn"`: oneDNN's inner-product kernel, on `packed`'s copy of the weight when given. bfloat16 with
+    `batch_invariant` (a target): in blocks of `BF16_ROWS` rows, so that a row's result never depends on how many
+    rows share the call. Otherwise PyTorch's matmul with the operand order chosen for CPU speed: for 2..~100 rows
+    MKL's sgemm runs (weight @ x^T)^T 1.5-2x faster than F.linear's x @ weight^T (measured on an AVX2 EPYC: 16 rows
+    150 vs 270 ms per forward of the default target; the transposed result is a free view); one row goes through
+    gemv.
+    `reference_order` keeps F.linear's order (transformers' rounding) for float32 under MKL.
+    """
+    if isinstance(weight, Int8Weight):
+        out = torch._weight_int8pack_mm(x.contiguous(), weight.values, weight.scales)
+        return out if bias is None else out + bias
+    if isinstance(weight, Int4Weight):
+        out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, Int4Weight.GROUP, weight.scales_zeros)
+        return out if bias is None else out + bias
+    if weight.is_mkldnn and backend != "onednn":  # a model packed for oneDNN asked to run under MKL (tests do)
+        weight = weight.to_dense()
+    if batch_invariant and x.dtype == torch.bfloat16 and x.shape[0] != BF16_ROWS:
+        return _in_fixed_row_blocks(x, weight, bias, backend, packed)
+    if backend == "onednn" and x.dtype in (torch.float32, torch.bfloat16):
+        w = weight if packed is None or weight.is_mkldnn else packed.get(weight)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
+    if x.shape[0] == 1:
+        if x.dtype == torch.bfloat16:  # bfloat16's F.linear on one row is ~1.5x slower than its gemv (measured)
+            out = torch.mv(weight, x[0])[None]
+            return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
+    if reference_order and x.dtype == torch.float32:
+        return F.linear(x, weight, bias)
+    out = (weight @ x.T).T
+    return out if bias is None else out + bias

@@ -1,0 +1,257 @@
+"""Native PyTorch runtime for Llama- and Qwen2-family causal LMs, with batched forward over ragged appends.
+
+One forward call serves a batch of requests, each appending its own number of new tokens (0..n) at its own position
+in the KV cache. Linear layers run on the packed tokens `(T, hidden)` with no padding; only attention pads, to
+`(B, n_max)` queries against each request's cached keys, masked by position. Projections are fused on load
+(`wqkv`, `w_gate_up`) and logits are computed only for the rows the caller asks for (the LM head is ~20 % of a
+small model's weights). `forward` builds the batch's `attention.AttentionMetadata` once, then runs each
+`decoder_block.decoder_block` (attention, then MLP) on it; RoPE tables come from `rope`.
+
+A draft may also restrict its LM head to a *head vocabulary* (`restrict_head`): the tokens it can ever propose, as
+in FR-Spec / EAGLE-3's draft vocabularies. For a small draft the head is much of the work (a 49152 x 576 head is
+two thirds of a four-layer SmolLM2 slice's FLOPs); 8192 frequent tokens cut such drafts' step time by 40-50 %.
+The draft's q is then the softmax over those tokens and exactly zero elsewhere, which rejection sampling handles
+like any other q, so speculative decoding stays lossless.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchspec.errors import BatchspecError
+from batchspec.runtime.attention import attention_metadata
+from batchspec.runtime.config import ModelConfig
+from batchspec.runtime.decoder_block import decoder_block
+from batchspec.runtime.layer_weights import LayerWeights
+from batchspec.runtime.kv_cache import KVCache
+from batchspec.runtime.linear import Int4Weight, Int8Weight, PackedWeights, QuantizedWeight, default_backend, linear
+from batchspec.runtime.rope import rope_inv_freq, rope_tables, rotate_half
+
+__all__ = ["ForwardOutput", "LayerWeights", "Transformer", "rope_inv_freq", "rotate_half"]
+
+
+@dataclass
+class ForwardOutput:
+    head_logits: torch.Tensor | None  # (R, N) float32 over `head_ids` for the requested rows (N = vocab if None)
+    hidden: torch.Tensor  # (T, hidden): last-layer hidden state after the final norm (what the LM head reads)
+    head_ids: torch.Tensor | None = None  # (N,) sorted token ids of a restricted head; None: the whole vocabulary
+    vocab_size: int = 0
+
+    @functools.cached_property
+    def logits(self) -> torch.Tensor | None:
+        """(R, vocab) float32 logits; -inf for tokens outside a restricted head (their probability is 0)."""
+        if self.head_logits is None or self.head_ids is None:
+            return self.head_logits
+        full = self.head_logits.new_full((self.head_logits.shape[0], self.vocab_size), -math.inf)
+        return full.index_copy_(1, self.head_ids.to(full.device), self.head_logits)
+
+
+class Transformer:
+    """Weights plus a ragged batched forward. Stateless apart from weights: the KV cache is passed in."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.config = config
+        self.embed = embed  # (vocab, hidden)
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head  # (vocab, hidden); the same tensor as `embed` when tied; (N, hidden) if restricted
+        self.head_ids: torch.Tensor | None = None  # (N,) sorted token ids of a restricted head (`restrict_head`)
+        self.full_head = lm_head  # (vocab, hidden) whatever the head vocabulary
+        self.rope_cos, self.rope_sin = rope_tables(config, config.max_position_embeddings, self.device,
+                                                 self.dtype)  # (P, D) each
+        self.linear_backend = default_backend()  # "mkl" or "onednn" (`batchspec.runtime.linear`)
+        self.packed_weights = PackedWeights()  # oneDNN's layout of the matrices, made on first use under "onednn"
+        # A request's logits do not depend on its batch neighbours, bit for bit, also in bfloat16 (fixed-shape
+        # products, float64 attention); what verification against `ar` needs. A draft may drop it (it only proposes).
+        self.batch_invariant = True
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The type of activations, norms, the embedding and the KV cache (bfloat16 under int8/int4 weights)."""
+        return self.embed.dtype
+
+    @property
+    def precision(self) -> str:
+        """What results.json calls the model's dtype: float32, bfloat16, int8 or int4 (weight-only, bfloat16 rest)."""
+        if isinstance(self.lm_head, Int8Weight):
+            return "int8"
+        if isinstance(self.lm_head, Int4Weight):
+            return "int4"
+        return str(self.dtype).removeprefix("torch.")
+
+    def num_parameters(self) -> int:
+        tensors = {id(t): t for t in [self.embed, self.final_norm, self.full_head]}
+        for layer in self.layers:
+            for t in vars(layer).values():
+                if t is not None:
+                    tensors[id(t)] = t
+        return sum(t.numel() for t in tensors.values())
+
+    def pack_weights(self) -> None:
+        """Under oneDNN, reorder the matrices into its blocked layout now instead of on first use (which would land
+        on the first request's latency). A no-op under MKL and for int8 weights.
+
+        The layer matrices are replaced by their packed form (this model's own `layers` list; the values are kept
+        exactly, `linear.dense` recovers them), so the model holds its weights once, not twice. The LM head gets a
+        packed copy instead: it may be the embedding, which token lookups read.
+        """
+        if self.linear_backend != "onednn" or isinstance(self.lm_head, QuantizedWeight):
+            return
+
+        def pack(weight: torch.Tensor) -> torch.Tensor:
+            if weight.is_mkldnn:
+                return weight
+            return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PackedWeights.ROWS_HINT)
+
+        self.layers = [layer.map_matrices(pack) for layer in self.layers]
+        self.packed_weights.get(self.lm_head)
+
+    def quantize_weights(self, precision: str) -> None:
+        """Weight-only `int8` (`linear.Int8Weight`) or `int4` (`linear.Int4Weight`) for every layer matrix and the
+        LM head. The model must be in bfloat16, which its activations, norms, embedding and KV cache stay in;
+        restrict the head first."""
+        kinds = {"int8": Int8Weight, "int4": Int4Weight}
+        if precision not in kinds:
+            raise BatchspecError(f"unknown weight-only precision {precision!r}; use int8 or int4")
+        if self.dtype != torch.bfloat16 or self.precision != "bfloat16":
+            raise BatchspecError(f"{precision} weights need a bfloat16 model, this one is {self.precision}")
+        quantize = kinds[precision].quantize
+        self.layers = [layer.map_matrices(quantize) for layer in self.layers]
+        self.packed_weights.clear()
+        self.lm_head = quantize(self.lm_head)
+        if self.head_ids is None and self.full_head is not self.embed:  # an untied head: keep one copy
+            self.full_head = self.lm_head
+
+    def restrict_head(self, token_ids: torch.Tensor | None) -> None:
+        """Compute logits only for `token_ids` (every other token gets probability 0); None restores the full head."""
+        if isinstance(self.lm_head, QuantizedWeight):
+            raise BatchspecError(f"restrict the head vocabulary before quantizing the model to {self.precision}")
+        if self.lm_head is not self.full_head:
+            self.packed_weights.discard(self.lm_head)  # a restricted head about to be replaced
+        if token_ids is None:
+            self.lm_head, self.head_ids = self.full_head, None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).flatten()
+        vocab = self.config.vocab_size
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise BatchspecError(f"a head vocabulary needs 1..{vocab} token ids in [0, {vocab}), got {ids.numel()} "
+                                 f"ids" + (f" in [{int(ids.min())}, {int(ids.max())}]" if ids.numel() else ""))
+        if bool((ids[1:] <= ids[:-1]).any()):
+            raise BatchspecError("a head vocabulary's token ids must be strictly increasing (sorted, no repeats)")
+        self.lm_head = self.full_head[ids.to(self.device)].contiguous()
+        self.head_ids = ids.to(self.device)
+
+    @classmethod
+    def from_hf_state_dict(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
+                           consume: bool = False) -> Transformer:
+        """Build from Hugging Face tensor names (`model.layers.N.self_attn.q_proj.weight`, ...), fusing on the way.
+
+        consume: pop each tensor from `weights` as it is used, so a fused matrix's parts are freed while the next
+        layer is built (a loader that owns the dict keeps one copy of the weights, not two).
+        """
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return weights.pop(name) if consume else weights[name]
+            except KeyError:
+                raise BatchspecError(f"model weights lack tensor {name!r}") from None
+
+        def check(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+            if tuple(tensor.shape) != shape:
+                raise BatchspecError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config implies {shape}")
+            return tensor
+
+        c = config
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            q = check(p + "q", take(p + "self_attn.q_proj.weight"), (q_out, c.hidden_size))
+            k = check(p + "k", take(p + "self_attn.k_proj.weight"), (kv_out, c.hidden_size))
+            v = check(p + "v", take(p + "self_attn.v_proj.weight"), (kv_out, c.hidden_size))
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            gate = check(p + "gate", take(p + "mlp.gate_proj.weight"), (c.intermediate_size, c.hidden_size))
+            up = check(p + "up", take(p + "mlp.up_proj.weight"), (c.intermediate_size, c.hidden_size))
+            layers.append(LayerWeights(
+                attn_norm=take(p + "input_layernorm.weight"),
+                wqkv=torch.cat([q, k, v]).contiguous(),
+                bqkv=bias,
+                wo=check(p + "o", take(p + "self_attn.o_proj.weight"), (c.hidden_size, q_out)),
+                mlp_norm=take(p + "post_attention_layernorm.weight"),
+                w_gate_up=torch.cat([gate, up]).contiguous(),
+                w_down=check(p + "down", take(p + "mlp.down_proj.weight"), (c.hidden_size, c.intermediate_size)),
+            ))
+        embed = check("embed", take("model.embed_tokens.weight"), (c.vocab_size, c.hidden_size))
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            lm_head = embed
+        else:
+            lm_head = check("lm_head", weights["lm_head.weight"], (c.vocab_size, c.hidden_size))
+        return cls(c, embed, layers, take("model.norm.weight"), lm_head)
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache(self.config, num_slots, max_len, dtype=self.dtype, device=self.device)
+
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """The type attention computes in: float64 for a batch-invariant bfloat16 model, else the model's.
+
+        SDPA's result for a row changes with the padding around it (the batch's other requests set kv_len and
+        n_max): measured, one bfloat16 ulp between kv lengths 40 and 80 in bfloat16, 1.8e-7 in float32 — and
+        rounded back to bfloat16 even 1e-7 flips some values, which the layers above amplify, so a request's tokens
+        would depend on its batch neighbours and verification would drift from `ar`. In float64 the differences
+        (~1e-16) are far below bfloat16's resolution. A float32 model keeps float32 attention (its rounding
+        differences stay ~1e-7 without a cast). Attention is a few % of a step.
+        """
+        return torch.float64 if self.batch_invariant and self.dtype == torch.bfloat16 else self.dtype
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, slots: torch.Tensor, num_new: torch.Tensor, tokens: torch.Tensor,
+                logit_rows: torch.Tensor | None = None, all_logits: bool = True) -> ForwardOutput:
+        """Append `num_new[b]` tokens to the cache slot `slots[b]` for every request b and run the model on them.
+
+        slots, num_new: (B,) int64; tokens: (T,) int64 packed in request order, T = num_new.sum().
+        logit_rows: indices into the T packed tokens whose logits are wanted (None with all_logits: every row).
+        Advances the cache lengths by num_new. Returns logits for the chosen rows and hidden states for all T.
+        """
+        c = self.config
+        num_new = num_new.to(torch.int64)
+        keep = num_new > 0  # a request with nothing to append sits this step out
+        if not bool(keep.all()):
+            slots, num_new = slots[keep], num_new[keep]
+        total = int(tokens.numel())
+        if int(num_new.sum()) != total:
+            raise ValueError(f"num_new sums to {int(num_new.sum())} but {total} tokens were given")
+        if total == 0:
+            return ForwardOutput(None, torch.empty(0, c.hidden_size, dtype=self.dtype), self.head_ids, c.vocab_size)
+        # Positions, mask and cache paths depend on the batch, not the layer: built once, read by every layer.
+        meta = attention_metadata(cache, slots, num_new, self.rope_cos, self.rope_sin, c.num_groups,
+                                  self.attention_dtype, self.device)
+
+        dev = self.device
+        lin = functools.partial(linear, backend=self.linear_backend, packed=self.packed_weights,
+                                batch_invariant=self.batch_invariant)
+        x = self.embed[tokens.to(dev)]  # (T, hidden)
+        for index, layer in enumerate(self.layers):
+            x = decoder_block(x, layer, cache.k[index], cache.v[index], meta, c, lin)  # cache: (S, KV, max_len, D)
+
+        cache.lengths[slots] = meta.ends
+        hidden = F.rms_norm(x, (c.hidden_size,), self.final_norm, c.rms_norm_eps)  # (T, hidden)
+        if logit_rows is not None:
+            logits = lin(hidden[logit_rows.to(dev)], self.lm_head)
+        elif all_logits:
+            logits = lin(hidden, self.lm_head)
+        else:
+            logits = None
+        return ForwardOutput(None if logits is None else logits.float(), hidden, self.head_ids, c.vocab_size)

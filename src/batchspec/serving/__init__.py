@@ -1,0 +1,1 @@
+"""`batchspec serve`: the OpenAI-compatible HTTP server over an engine thread."""

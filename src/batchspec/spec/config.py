@@ -1,0 +1,28 @@
+"""Speculation settings of a run, as the CLI, bench and server take them; each policy reads and checks its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """The knobs of every policy in one flat record (what `--policy ... -k ... --tau ...` sets, what a bench sweep
+    varies). A policy object (`spec.policies.make_policy`) reads the fields that are its own and validates them
+    (`Policy.validate`); the others are ignored. `capacity` None means C = k * B at each step (B = active requests)."""
+
+    policy: str = "ar"
+    k: int = 4
+    extra: int = 2
+    capacity: int | None = None
+    turn_on_batch_size: int = 1  # Tetris acts as sd below this many active requests
+    k_max: int = 8  # dsd's largest window
+    measure_oracle: bool = False  # untimed extra target pass over all K' drafts: true a, oracle_fraction
+    verifier: str | None = None  # SPRINTER verifier directory: needed by `sprinter` and by tetris_scores="verifier"
+    tau: float | None = None  # sprinter: accept a draft without the target iff verifier prob >= tau (None: its own)
+    block_cap: int = 20  # sprinter: L, the most tokens a request drafts before the target is called
+    tetris_scores: str = "q"  # tetris ranks by cumulative draft probability ("q") or verifier probability
+
+    def capacity_for(self, batch_size: int) -> int:
+        """C = k * B (the verification cost of sd with window k: the Tetris paper's default), or the fixed C."""
+        return self.k * batch_size if self.capacity is None else self.capacity

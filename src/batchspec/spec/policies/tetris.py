@@ -1,0 +1,124 @@
+"""Tetris: spend the target's verification capacity C on the draft tokens most likely to be accepted (DESIGN.md 3).
+
+Per step, request i drafted K' tokens with log-probabilities log q[i, t]. Tetris scores every (i, j) by the log of
+its cumulative draft probability s[i, j] = sum_{t<=j} log q[i, t], a draft-side proxy for the probability that drafts
+1..j of request i are all accepted, takes the top C scores over the whole batch and verifies, per request, the
+window l[i] = how many of its positions were taken. Easy requests get long windows, hard ones short (or none).
+
+Because s is non-increasing along j, the top-C set is prefix-closed per request, and greedy top-C maximises
+E[A] = sum_i sum_{j<=l[i]} prod_{t<=j} a[i, t] when the scores are the true acceptance a (Theorem 1 of the Tetris
+paper) - that is `oracle_windows`, the measurement-only upper bound. Selection uses draft-side information only, so
+verification stays lossless whatever windows it picks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from batchspec.errors import BatchspecError
+from batchspec.spec.policies.base import Plan, Policy, sd_windows
+from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
+
+
+def _top_capacity_windows(scores: Tensor, capacity: int) -> Tensor:
+    """Window lengths of the top-`capacity` entries of `scores` (B, K'), which must be non-increasing along K'.
+
+    A stable descending sort of the row-major flattening orders equal scores by flat index, i.e. by position within
+    a row. Together with non-increasing rows this means every row's positions appear in increasing order, so any
+    sorted prefix is prefix-closed per row, and counting the chosen entries per row gives sum(l) == C exactly even
+    under ties (0 log-probs, -inf), where "furthest selected position" would overshoot C.
+    """
+    batch_size, k_prime = scores.shape
+    if capacity >= batch_size * k_prime:
+        return torch.full((batch_size,), k_prime, dtype=torch.int64, device=scores.device)
+    if capacity <= 0:
+        return torch.zeros(batch_size, dtype=torch.int64, device=scores.device)
+    if scores.device.type == "cpu":
+        # numpy for its ~1 us per-op dispatch (torch's is ~5-25 us; benchmarks/selection_overhead.py). Negating
+        # turns the stable ascending argsort into a stable descending one (-inf -> inf keeps zero-probability tails
+        # last).
+        return torch.from_numpy(_top_rows_ascending(np.negative(scores.numpy()), capacity))
+    order = torch.sort(scores.reshape(-1), descending=True, stable=True).indices  # (B*K',)
+    chosen_rows = order[:capacity] // k_prime  # (C,)
+    return torch.bincount(chosen_rows, minlength=batch_size)  # (B,) int64
+
+
+def _top_rows_ascending(costs: np.ndarray, capacity: int) -> np.ndarray:
+    """Per row, how many of the `capacity` smallest entries of `costs` (B, K') it holds (rows non-decreasing)."""
+    chosen = np.argsort(costs, axis=None, kind="stable")[:capacity]  # flat indices, row-major
+    return np.bincount(chosen // costs.shape[1], minlength=costs.shape[0])
+
+
+def tetris_windows(draft_logprobs: Tensor, capacity: int) -> Tensor:
+    """Tetris: top-C of s[i,j] = sum_{t<=j} log q[i,t] over all (i, j). (B, K') -> (B,) int64."""
+    # log q <= 0 in exact arithmetic; the clamp keeps rounding (and NaN) from breaking monotonicity along K',
+    # since fl(s + x) <= s for x <= 0.
+    if draft_logprobs.device.type == "cpu":
+        batch_size, k_prime = draft_logprobs.shape
+        if not 0 < capacity < batch_size * k_prime:
+            return _top_capacity_windows(draft_logprobs, capacity)  # all or nothing: no ranking needed
+        # The same in numpy, on costs -log q, in as few calls as possible (each is ~1 us, the whole ~20 us at
+        # B=64, K'=8): fmin maps NaN to inf (ranked last, like -inf log q), maximum clamps -log q at 0, and
+        # float64 partial sums of float32 values cannot overflow.
+        costs = np.negative(draft_logprobs.numpy())
+        np.fmin(costs, np.inf, out=costs)
+        np.maximum(costs, 0.0, out=costs)
+        return torch.from_numpy(_top_rows_ascending(costs.cumsum(axis=1, dtype=np.float64), capacity))
+    logprobs = torch.nan_to_num(draft_logprobs, nan=-math.inf).clamp(max=0.0)  # (B, K')
+    return _top_capacity_windows(torch.cumsum(logprobs, dim=1), capacity)
+
+
+def oracle_windows(accept_probs: Tensor, capacity: int) -> Tensor:
+    """Tetris with the true acceptance a[i,j]: top-C of log prod_{t<=j} a[i,t]. (B, K') -> (B,) int64.
+
+    Top-C on cumulative acceptance is optimal for E[A] (Tetris, Theorem 1); measurement only (needs the target).
+    """
+    probs = torch.nan_to_num(accept_probs, nan=0.0).clamp(0.0, 1.0)  # (B, K')
+    # cumprod of values in [0, 1] is non-increasing, and ranking the products ranks their logs (log is monotone).
+    return _top_capacity_windows(torch.cumprod(probs, dim=1), capacity)
+
+
+def expected_accepted(accept_probs: Tensor, windows: Tensor) -> float:
+    """E[A](l) = sum_i sum_{j<=l[i]} prod_{t<=j} a[i,t] (j 1-based): expected accepted drafts of a selection."""
+    survival = torch.cumprod(accept_probs, dim=1)  # (B, K'): P(drafts 1..j all accepted)
+    positions = torch.arange(accept_probs.shape[1], device=accept_probs.device)  # (K',)
+    in_window = positions[None, :] < windows[:, None]  # (B, K')
+    return float(torch.where(in_window, survival, torch.zeros_like(survival)).sum())
+
+
+class TetrisPolicy(Policy):
+    """Top-C cumulative draft probability across the batch; sd's window below `turn_on_batch_size` requests, where
+    there is too little choice across requests to pay off. With `tetris_scores="verifier"` it ranks by the SPRINTER
+    verifier's calibrated P(accept) instead of q: still draft-side only, so still lossless."""
+
+    name = "tetris"
+    sorts = True
+    description = "top-C cumulative acceptance across the batch"
+
+    @classmethod
+    def validate(cls, spec, batch_size: int) -> None:
+        super().validate(spec, batch_size)
+        if spec.tetris_scores == "verifier" and spec.verifier is None:
+            raise BatchspecError("policy 'tetris' with --tetris-scores verifier needs a SPRINTER verifier (--verifier)")
+
+    def _on(self, batch_size: int) -> bool:
+        return batch_size >= self.spec.turn_on_batch_size
+
+    def draft_length(self, k: int, batch_size: int) -> int:
+        return k + self.spec.extra if self._on(batch_size) else k
+
+    def draft_scorer(self) -> DraftScorer | None:
+        return DraftScorer(self.verifier) if self.spec.tetris_scores == "verifier" else None
+
+    def select(self, plan: Plan, proposal, accept_probs: Tensor | None = None) -> Tensor:
+        batch_size, k_prime = proposal.logprobs.shape
+        if not self._on(batch_size):
+            return sd_windows(batch_size, plan.k, k_prime, device=proposal.logprobs.device)
+        # Calibrated (class balancing undone) verifier probabilities rank like acceptance probabilities.
+        scores = (calibrated_log_probs(self.verifier, proposal.verifier_probs) if self.spec.tetris_scores == "verifier"
+                  else proposal.logprobs)
+        return tetris_windows(scores, plan.capacity)

@@ -1,0 +1,121 @@
+"""dsd's step-time model T(B, k), and its profiling: time real target and draft forwards on this machine and fit it.
+
+Profiles are cached as JSON under `<cache>/profiles/`, keyed by both models' configurations and a fingerprint of
+their weights, the grid, the torch version, thread count and CPU: a second run on the same machine reuses the fit
+instead of spending ~10-30 s re-timing forwards. Delete the directory (or set BATCHSPEC_CACHE) to re-profile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from batchspec.errors import BatchspecError
+from batchspec.runtime.machine import machine_description
+from batchspec.runtime.model import Transformer
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Seconds per speculative step: T(B, k) = c_fixed + c_draft_step*k + c_draft_token*B*k + c_target_token*B*(k+1).
+
+    Why this form: the target runs once over B*(k+1) positions (a launch/weight-read cost `c_fixed` plus a per-token
+    cost); the draft runs k *sequential* steps, each paying a per-step overhead independent of B plus a per-token
+    cost for its B rows. Linear in the coefficients, so it is fitted by least squares on profiled (B, k, seconds).
+    """
+
+    c_fixed: float
+    c_draft_step: float
+    c_draft_token: float
+    c_target_token: float
+
+    @staticmethod
+    def features(batch_size: int, k: int) -> tuple[float, float, float, float]:
+        return (1.0, float(k), float(batch_size * k), float(batch_size * (k + 1)))
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> StepTimeModel:
+        """Least-squares fit on (batch_size, k, seconds) samples.
+
+        Samples that do not vary both B and k leave the system rank-deficient; the minimum-norm solution (gelsd)
+        still predicts well inside the profiled range.
+        """
+        if len(samples) < 4:
+            raise BatchspecError(
+                f"need at least 4 (batch_size, k, seconds) samples to fit the step-time model, got {len(samples)}"
+            )
+        design = torch.tensor([cls.features(b, k) for b, k, _ in samples], dtype=torch.float64)  # (N, 4)
+        seconds = torch.tensor([[t] for _, _, t in samples], dtype=torch.float64)  # (N, 1)
+        coef = torch.linalg.lstsq(design, seconds, driver="gelsd").solution[:, 0]  # (4,)
+        return cls(*(float(c) for c in coef))
+
+    def __call__(self, batch_size: int, k: int) -> float:
+        f = self.features(batch_size, k)
+        return self.c_fixed * f[0] + self.c_draft_step * f[1] + self.c_draft_token * f[2] + self.c_target_token * f[3]
+
+
+def _time_forward(model: Transformer, batch: int, tokens_each: int, repeats: int = 2) -> float:
+    """Median seconds of one forward of `batch` requests appending `tokens_each` tokens after a 64-token context."""
+    cache = model.new_cache(batch, 64 + tokens_each + 1)
+    slots = torch.tensor([cache.allocate() for _ in range(batch)])
+    context = torch.full((batch,), 64, dtype=torch.int64)
+    model.forward(cache, slots, context, torch.randint(0, model.config.vocab_size, (64 * batch,)), all_logits=False)
+    times = []
+    for _ in range(repeats + 1):  # the first call warms up and is dropped
+        cache.lengths[slots] = 64
+        num_new = torch.full((batch,), tokens_each, dtype=torch.int64)
+        tokens = torch.randint(0, model.config.vocab_size, (batch * tokens_each,))
+        started = time.perf_counter()
+        model.forward(cache, slots, num_new, tokens)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> str:
+    def model_id(model: Transformer) -> dict:
+        weights = model.embed.float()
+        return {"config": model.config.as_dict(), "embed": [float(weights[:64].sum()), float(weights[-64:].sum())],
+                "dtype": model.precision, "linear": model.linear_backend}
+
+    key = {"target": model_id(target), "draft": model_id(draft), "max_batch": max_batch, "k_max": k_max,
+           "torch": torch.__version__, "cpu": machine_description(),
+           "machine": platform.machine(), "node": platform.node()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cached_step_time(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> StepTimeModel:
+    """`profile_step_time`, remembered on disk for this machine and model pair."""
+    from batchspec.weights.known_models import cache_root
+
+    path = cache_root() / "profiles" / f"step-time-{_profile_key(target, draft, max_batch, k_max)}.json"
+    try:
+        return StepTimeModel(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass  # absent or unreadable: profile again
+    model = profile_step_time(target, draft, max_batch, k_max)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(asdict(model)))
+        path.with_suffix(".tmp").rename(path)
+    except OSError:
+        pass  # a read-only cache only costs the re-profiling
+    return model
+
+
+def profile_step_time(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> StepTimeModel:
+    """Samples T(B, k) = k draft steps of B tokens + one target pass over B*(k+1) tokens, on a small grid; fit."""
+    batches = sorted({1, max(1, max_batch // 2), max_batch})
+    windows = sorted({0, 1, max(1, k_max // 2), k_max})
+    draft_time = {b: _time_forward(draft, b, 1) for b in batches}
+    samples = []
+    for b in batches:
+        for k in windows:
+            samples.append((b, k, k * draft_time[b] + _time_forward(target, b, k + 1)))
+    return StepTimeModel.fit(samples)
