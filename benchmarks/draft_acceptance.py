@@ -26,14 +26,14 @@ import time
 
 import torch
 
-from batchspec.weights.known_models import default_draft_dir, paired_draft
+from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
 from batchspec.engine.engine import Engine
-from batchspec.runtime.threads import configure_threads
-from batchspec.weights.loading import check_draft_compatible, load_model
 from batchspec.runtime.machine import machine_description
 from batchspec.runtime.precision import DRAFT_PRECISION_CHOICES, PRECISIONS, resolve_precision
-from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
 from batchspec.runtime.sampling import SamplingParams
+from batchspec.runtime.threads import configure_threads
+from batchspec.weights.known_models import default_draft_dir, paired_draft
+from batchspec.weights.loading import check_draft_compatible, load_model
 
 
 @torch.inference_mode()

@@ -17,8 +17,8 @@ import time
 import torch
 
 from batchspec import Engine, SamplingParams, configure_threads, load_model
-from batchspec.runtime.machine import machine_description
 from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
+from batchspec.runtime.machine import machine_description
 
 
 def hf_generate(model, prompt_ids: list[list[int]], max_tokens: int, pad_id: int) -> list[list[int]]:

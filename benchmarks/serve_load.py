@@ -27,8 +27,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from batchspec.runtime.machine import machine_description
 from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
+from batchspec.runtime.machine import machine_description
 
 
 @dataclass

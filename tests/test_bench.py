@@ -9,8 +9,8 @@ import pytest
 
 from batchspec.bench.run import BenchConfig, format_table, load_dataset, run_bench, write_results
 from batchspec.errors import BatchspecError
-from batchspec.weights.loading import load_model
 from batchspec.spec.config import SpecConfig
+from batchspec.weights.loading import load_model
 
 SECTION_6 = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "system_efficiency", "target_calls",
              "target_tokens", "draft_tokens", "emitted_tokens", "latency_mean_s", "latency_p50_s", "latency_p99_s",

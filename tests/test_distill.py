@@ -9,11 +9,13 @@ import shutil
 import pytest
 import torch
 
-from batchspec.weights.known_models import default_draft_dir
 from batchspec.distill.pipeline import DistillConfig, run_distill
 from batchspec.distill.teacher_data import build_prompts
 from batchspec.errors import BatchspecError
+from batchspec.weights.known_models import default_draft_dir
 from batchspec.weights.loading import check_draft_compatible, load_model
+
+pytestmark = pytest.mark.slow  # real models end to end: left out of `pytest -m "not slow"`
 
 PROMPTS = [
     "Complete the following Python function.\n\n```python\ndef add(a, b):\n    \"\"\"Return a + b.\"\"\"\n```",
@@ -249,7 +251,7 @@ def test_cli_options_are_validated():
 
 def test_shipped_verifier_belongs_to_the_shipped_draft():
     """Replacing the default draft without re-collecting its SPRINTER verifier would break `--verifier default`."""
-    from batchspec.weights.known_models import default_verifier_dir
     from batchspec.spec.verifier import load_verifier
+    from batchspec.weights.known_models import default_verifier_dir
 
     load_verifier(default_verifier_dir(), draft=load_model(default_draft_dir()))  # raises if the weights differ

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from batchspec.errors import BatchspecError
 from batchspec.spec.policies.dsd import AcceptanceEMA, dsd_choose_k, expected_tokens_per_request
 from batchspec.spec.step_time import StepTimeModel
-from batchspec.errors import BatchspecError
 
 
 def test_dsd_choose_k_on_hand_made_step_time() -> None:

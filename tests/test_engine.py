@@ -10,6 +10,8 @@ from batchspec import Engine, SamplingParams
 from batchspec.cli.main import main
 from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
 
+pytestmark = pytest.mark.slow  # real models end to end: left out of `pytest -m "not slow"`
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that checks whether a number is prime.",

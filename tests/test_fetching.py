@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from batchspec.weights import fetching, known_models
 from batchspec.errors import BatchspecError
+from batchspec.weights import fetching, known_models
 from batchspec.weights.known_models import KnownModel, Part, data_wheels
 
 from test_errors import assert_clear_error, run_cli

@@ -4,11 +4,14 @@ exactly like its HF-format original (same tokenizer, logits equal up to the floa
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from batchspec.weights.known_models import default_target_path
 from batchspec.distill.gguf_export import permute_rope, write_draft_gguf
+from batchspec.weights.known_models import default_target_path
 from batchspec.weights.loading import check_draft_compatible, load_model, unpermute_rope
+
+pytestmark = pytest.mark.slow  # real models end to end: left out of `pytest -m "not slow"`
 
 
 def test_permute_inverts_unpermute():

@@ -8,13 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec import Engine, SamplingParams
-from batchspec.weights.known_models import default_target_path
-from batchspec.errors import BatchspecError
 from batchspec.distill.gguf_export import write_draft_gguf
-from batchspec.weights.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab
-from batchspec.weights.loading import LoadedModel, load_model
+from batchspec.errors import BatchspecError
 from batchspec.runtime.model import Transformer
 from batchspec.spec.config import SpecConfig
+from batchspec.weights.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab
+from batchspec.weights.known_models import default_target_path
+from batchspec.weights.loading import LoadedModel, load_model
+
+pytestmark = pytest.mark.slow  # real models end to end: left out of `pytest -m "not slow"`
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is a binary search? Answer briefly.",
            "Write a Python function that returns the n-th Fibonacci number."]

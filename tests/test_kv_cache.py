@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchspec.runtime.config import ModelConfig
 from batchspec.errors import BatchspecError
+from batchspec.runtime.config import ModelConfig
 from batchspec.runtime.kv_cache import KVCache
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,

@@ -9,6 +9,8 @@ import torch
 from batchspec.runtime.linear import BACKENDS, onednn_available
 from batchspec.weights.loading import load_transformer
 
+pytestmark = pytest.mark.slow  # real models end to end: left out of `pytest -m "not slow"`
+
 LINEAR_BACKENDS = [b for b in BACKENDS if b != "onednn" or onednn_available()]
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchspec.runtime import precision
 from batchspec.errors import BatchspecError
-from batchspec.weights.loading import load_model
+from batchspec.runtime import precision
 from batchspec.spec.step_time import _profile_key
+from batchspec.weights.loading import load_model
 
 
 def test_draft_dtype_auto_follows_native_bfloat16(monkeypatch):

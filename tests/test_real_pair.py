@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from batchspec import Engine, SamplingParams
+from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
+from batchspec.spec.config import SpecConfig
 from batchspec.spec.step_time import StepTimeModel
 from batchspec.weights.known_models import download_path, known_model
 from batchspec.weights.loading import load_model
-from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
-from batchspec.spec.config import SpecConfig
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 FETCHED = all(download_path(known_model(name)).is_file() for name in (TARGET, DRAFT))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from batchspec import Engine, SamplingParams
+from batchspec.engine.request import spec_metrics
 from batchspec.errors import BatchspecError
 from batchspec.weights.loading import load_model
-from batchspec.engine.request import spec_metrics
 
 
 def test_add_abort_step_and_slot_reuse(tiny_model_factory):

@@ -20,10 +20,10 @@ import uvicorn
 from conftest import make_tiny_model
 
 from batchspec import Engine, SamplingParams
-from batchspec.weights.loading import LoadedModel, load_model
 from batchspec.runtime.model import Transformer
 from batchspec.serving.app import ServerConfig, create_app
 from batchspec.spec.config import SpecConfig
+from batchspec.weights.loading import LoadedModel, load_model
 
 MODEL = "tiny"
 CONTEXT = 256  # the tiny models' max_position_embeddings

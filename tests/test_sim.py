@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from batchspec.sim.cost_models import LinearCostModel, RooflineCostModel, fit_from_trace, load_cost_model
-from batchspec.errors import BatchspecError
-from batchspec.sim.simulate import SimConfig, build_timelines, run_sim, simulate
 from batchspec.engine.trace import COUNTERS, FORMAT, Trace, TraceRecorder, load_trace, save_trace
+from batchspec.errors import BatchspecError
+from batchspec.sim.cost_models import LinearCostModel, RooflineCostModel, fit_from_trace, load_cost_model
+from batchspec.sim.simulate import SimConfig, build_timelines, run_sim, simulate
 
 # One target forward = 1 s, everything else free: simulated time counts target calls.
 UNIT = LinearCostModel("unit", target_fixed_s=1.0, target_per_token_s=0.0, draft_fixed_s=0.0, draft_per_seq_s=0.0,

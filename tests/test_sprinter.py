@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 import batchspec.sprinter.data as sprinter_data
 from batchspec.cli.main import main
 from batchspec.errors import BatchspecError
+from batchspec.spec.verifier import Verifier, calibrated_log_probs, load_verifier, save_verifier, verifier_probs
 from batchspec.weights.fingerprint import weight_fingerprint
 from batchspec.weights.loading import TOKENIZER_FILES, load_model
-from batchspec.spec.verifier import Verifier, calibrated_log_probs, load_verifier, save_verifier, verifier_probs
 from batchspec.sprinter.train import (TrainConfig, auroc, balance_weight, best_accuracy_threshold, fit, rates,
                                       threshold_matching_fn, train_verifier)
 from batchspec.sprinter.data import CollectConfig, load_data, run_collect, token_features, validation_prompts

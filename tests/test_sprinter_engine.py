@@ -12,12 +12,12 @@ import torch
 
 from batchspec.engine.engine import Engine
 from batchspec.errors import BatchspecError
-from batchspec.weights.loading import LoadedModel, load_model
 from batchspec.runtime.model import Transformer
 from batchspec.runtime.sampling import SamplingParams
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.verifier import Verifier, save_verifier
 from batchspec.weights.fingerprint import weight_fingerprint
+from batchspec.weights.loading import LoadedModel, load_model
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "for i in range(", "import numpy as"]
 

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from batchspec import Engine, SamplingParams
+from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
+from batchspec.runtime.linear import Int8Weight
+from batchspec.spec.config import SpecConfig
+from batchspec.spec.step_time import StepTimeModel
 from batchspec.weights.known_models import default_draft_dir
 from batchspec.weights.loading import load_model
-from batchspec.runtime.linear import Int8Weight
-from batchspec.spec.step_time import StepTimeModel
-from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
-from batchspec.spec.config import SpecConfig
+
+pytestmark = pytest.mark.slow  # real models end to end: left out of `pytest -m "not slow"`
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
            "Explain what a hash table is in two sentences."] + [humaneval_chat_prompt(p) for p in humaneval_prompts()[:2]]

@@ -8,11 +8,11 @@ Library API::
 """
 
 from batchspec.engine.engine import Engine, GenerationOutput
-from batchspec.runtime.threads import configure_threads
 from batchspec.errors import BatchspecError
-from batchspec.weights.loading import LoadedModel, load_model
 from batchspec.runtime.sampling import SamplingParams
+from batchspec.runtime.threads import configure_threads
 from batchspec.spec.config import SpecConfig
+from batchspec.weights.loading import LoadedModel, load_model
 
 __all__ = ["BatchspecError", "Engine", "GenerationOutput", "LoadedModel", "SamplingParams", "SpecConfig",
            "configure_threads", "load_model"]

@@ -23,8 +23,8 @@ import time
 import torch
 
 from batchspec.errors import BatchspecError
-from batchspec.weights.loading import LoadedModel
 from batchspec.runtime.precision import cpu_flags
+from batchspec.weights.loading import LoadedModel
 
 BASELINES = ("hf_generate", "hf_generate_b1", "hf_assisted_b1", "llama_cpp_b1")
 ALL_PROMPTS = ("hf_generate", "llama_cpp_b1")  # the baselines fast enough to run every bench prompt

@@ -17,14 +17,14 @@ import torch
 
 from batchspec.bench.baselines import ALL_PROMPTS, check_baselines, run_baseline, unavailable_reason
 from batchspec.bench.report import POINT_FIELDS, TABLE_FIELDS, format_table, summary_rows, write_results  # noqa: F401
+from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts, load_prompts_file, sharegpt_prompts
 from batchspec.engine.engine import Engine
 from batchspec.errors import BatchspecError
-from batchspec.weights.loading import LoadedModel
 from batchspec.runtime.machine import machine_description, peak_rss_mib
-from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts, load_prompts_file, sharegpt_prompts
 from batchspec.runtime.sampling import SamplingParams
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import LOSSLESS_POLICIES, POLICIES, policy_class
+from batchspec.weights.loading import LoadedModel
 
 
 ONLY_CHANGES = {"tau": "sprinter", "tetris_scores": "tetris"}  # sweep axes that matter to one policy only

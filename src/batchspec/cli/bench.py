@@ -52,8 +52,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from batchspec.bench.run import BenchConfig, format_table, parse_sweep, run_bench, write_results
-    from batchspec.weights.loading import load_model
     from batchspec.spec.policies import policy_class
+    from batchspec.weights.loading import load_model
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     baselines = () if args.baselines.strip() == "none" else tuple(b.strip() for b in args.baselines.split(",")

@@ -16,8 +16,8 @@ def positive_int(text: str) -> int:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    from batchspec.weights.known_models import KNOWN_MODELS
     from batchspec.runtime.precision import DEFAULT_TARGET_DTYPE, DRAFT_PRECISION_CHOICES, PRECISIONS
+    from batchspec.weights.known_models import KNOWN_MODELS
 
     names = ", ".join(KNOWN_MODELS)
     parser.add_argument("--target", default="default",

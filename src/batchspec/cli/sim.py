@@ -54,9 +54,9 @@ def add_sim_parser(subparsers):
 
 
 def cmd_sim(args) -> int:
+    from batchspec.engine.trace import load_trace
     from batchspec.sim.cost_models import load_cost_model
     from batchspec.sim.report import format_table, write_results
-    from batchspec.engine.trace import load_trace
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in SIM_POLICIES]

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file
 
-from batchspec.runtime.config import ModelConfig
 from batchspec.errors import BatchspecError
+from batchspec.runtime.config import ModelConfig
 from batchspec.weights.head_vocab import GGUF_KEY as HEAD_VOCAB_GGUF_KEY, read_head_vocab
 from batchspec.weights.loading import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 

@@ -156,8 +156,8 @@ def run_distill(cfg: DistillConfig, out: Path, resume: bool = False, progress: b
 
     `prompts` replaces the built-in prompts (user data; tests use a handful).
     """
-    from batchspec.weights.known_models import default_target_path
     from batchspec.distill.gguf_export import write_draft_gguf
+    from batchspec.weights.known_models import default_target_path
     from batchspec.weights.loading import load_model
 
     cfg.validate()

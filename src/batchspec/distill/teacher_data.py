@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 
 from batchspec.distill.config import DistillConfig
 from batchspec.errors import BatchspecError
-from batchspec.weights.shards import save_atomically
 from batchspec.runtime.teacher_forcing import answer_log_probs
+from batchspec.weights.shards import save_atomically
 
 # --- 1. prompts from Python functions: the standard library, then pinned packages ------------------------------
 

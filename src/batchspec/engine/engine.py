@@ -24,13 +24,13 @@ from batchspec.engine.model_runner import ModelRunner
 from batchspec.engine.request import GenerationOutput, Request, commit_tokens, output_of
 from batchspec.engine.scheduler import Scheduler, StepOutput
 from batchspec.errors import BatchspecError
-from batchspec.weights.loading import LoadedModel, check_draft_compatible, load_model
 from batchspec.runtime.precision import DEFAULT_TARGET_DTYPE
-from batchspec.runtime.threads import configure_threads
 from batchspec.runtime.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
+from batchspec.runtime.threads import configure_threads
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import Policy, StepTime, make_policy, policy_class
 from batchspec.spec.stats import RunStats, StepOutcome, summarize
+from batchspec.weights.loading import LoadedModel, check_draft_compatible, load_model
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
@@ -152,6 +152,7 @@ class Engine:
             bar.update(sum(out.finish_reason is not None for out in self.step()))
         self.stats.wall_s = time.perf_counter() - start - self.stats.measure_s
         bar.close()
+        self.close()
         self.last_requests = requests
         return [self.output(r) for r in requests]
 
@@ -161,10 +162,15 @@ class Engine:
         long-lived server); `trace`: as in `generate`."""
         if self.policy.needs_step_time and self.step_time is None:
             self.step_time = self._profile_step_time()
+        self.close()  # the previous run's caches go before the new ones are allocated
         self.runner = ModelRunner(self.target, self.draft if self.policy.speculative else None, num_slots, max_len)
         # Longest prompt + output a request may have: the cache, less one step's speculative overshoot.
         self.scheduler = Scheduler(num_slots, min(self.context_length, self.runner.max_len), self.seed)
         self._trace, self._keep_windows = trace, keep_windows
+
+    def close(self) -> None:
+        """End the open run: its scheduler and its caches are released."""
+        self.scheduler = self.runner = None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Queue a request of the open run; returns its id (0, 1, 2, ...)."""
@@ -198,10 +204,6 @@ class Engine:
         """
         outputs = [self.output(r) for r in self.last_requests]
         return summarize(self.stats, [o.latency_s for o in outputs], [o.ttft_s for o in outputs])
-
-    @property
-    def speculative(self) -> bool:
-        return self.policy.speculative
 
     def max_draft_length(self) -> int:
         """Most draft tokens one step may write past a request's committed length (cache head-room)."""

@@ -12,12 +12,12 @@ import time
 import torch
 
 from batchspec.engine.request import Request
-from batchspec.weights.loading import LoadedModel
 from batchspec.runtime.sampling import params_tensors
 from batchspec.spec import step as spec_step
 from batchspec.spec.policies import Plan, Policy
 from batchspec.spec.proposal import ragged_inputs
 from batchspec.spec.stats import RunStats
+from batchspec.weights.loading import LoadedModel
 
 
 class ModelRunner:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchspec.errors import BatchspecError
 from batchspec.engine.request import Request
+from batchspec.errors import BatchspecError
 from batchspec.runtime.sampling import SamplingParams
 
 

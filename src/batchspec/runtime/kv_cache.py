@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from batchspec.runtime.config import ModelConfig
 from batchspec.errors import BatchspecError
+from batchspec.runtime.config import ModelConfig
 
 
 class KVCache:

@@ -27,8 +27,8 @@ from batchspec.errors import BatchspecError
 from batchspec.runtime.attention import attention_metadata
 from batchspec.runtime.config import ModelConfig
 from batchspec.runtime.decoder_block import decoder_block
-from batchspec.runtime.layer_weights import LayerWeights
 from batchspec.runtime.kv_cache import KVCache
+from batchspec.runtime.layer_weights import LayerWeights
 from batchspec.runtime.linear import Int4Weight, Int8Weight, PackedWeights, QuantizedWeight, default_backend, linear
 from batchspec.runtime.rope import rope_inv_freq, rope_tables, rotate_half
 

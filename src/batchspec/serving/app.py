@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchspec.errors import BatchspecError
-from batchspec.weights.known_models import DEFAULT_TARGET, KNOWN_MODELS
 from batchspec.runtime.sampling import SamplingParams
 from batchspec.serving.engine_loop import EngineLoop, QueueFull, ShuttingDown
 from batchspec.serving.errors import APIError, BodyGuard, install_error_handlers
 from batchspec.serving.protocol import SSE_DONE, ChatRequest, CompletionRequest, ResponseFormatter, error_body, sse
+from batchspec.weights.known_models import DEFAULT_TARGET, KNOWN_MODELS
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks whether its client is still there
 

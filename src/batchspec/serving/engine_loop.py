@@ -15,8 +15,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from batchspec.errors import BatchspecError
 from batchspec.engine.request import Request, spec_metrics, visible_ids, visible_text
+from batchspec.errors import BatchspecError
 from batchspec.runtime.sampling import SamplingParams
 
 log = logging.getLogger("batchspec.server")

@@ -22,15 +22,15 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from batchspec.sim.cost_models import DraftRatioCostModel, draft_target_ratio
+from batchspec.engine.trace import Timelines, build_timelines
 from batchspec.errors import BatchspecError
-from batchspec.spec.stats import RunStats, summarize
+from batchspec.sim.cost_models import DraftRatioCostModel, draft_target_ratio
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import REGISTRY, Policy, make_policy
 from batchspec.spec.policies.tetris import expected_accepted, oracle_windows
 from batchspec.spec.proposal import Proposal
+from batchspec.spec.stats import RunStats, summarize
 from batchspec.spec.stats import StepOutcome
-from batchspec.engine.trace import Timelines, build_timelines
 
 # Policies a trace can replay: the lossless speculative ones (its drafts carry q and the true a, nothing else).
 SIM_POLICIES = tuple(name for name, cls in REGISTRY.items() if cls.speculative and cls.lossless)

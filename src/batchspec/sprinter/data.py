@@ -30,9 +30,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from batchspec.errors import BatchspecError
+from batchspec.sprinter.features import shard_records, token_features  # noqa: F401 (token_features: the API)
 from batchspec.weights.fingerprint import weight_fingerprint
 from batchspec.weights.shards import save_atomically
-from batchspec.sprinter.features import shard_records, token_features  # noqa: F401 (token_features: the API)
 
 DATA_FORMAT = "batchspec-sprinter-data/1"
 HELD_OUT = ("HumanEval is the held-out benchmark: never collect verifier data on it "
@@ -147,9 +147,9 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
     from tqdm import tqdm
 
     from batchspec.engine.engine import Engine
-    from batchspec.weights.loading import check_draft_compatible, load_model
     from batchspec.runtime.precision import dtype_name, resolve_dtype
     from batchspec.runtime.sampling import SamplingParams
+    from batchspec.weights.loading import check_draft_compatible, load_model
 
     cfg.validate()
     old = _previous_meta(out, cfg, resume)

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from batchspec.errors import BatchspecError
-from batchspec.weights import known_models
 from batchspec.runtime.config import ModelConfig
+from batchspec.weights import known_models
 from batchspec.weights.fetching import sha256_of
 from batchspec.weights.head_vocab import GGUF_KEY as HEAD_VOCAB_GGUF_KEY, write_head_vocab
 

@@ -14,13 +14,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from batchspec.errors import BatchspecError
-from batchspec.weights import known_models
 from batchspec.runtime.config import ModelConfig
+from batchspec.weights import known_models
 from batchspec.weights.gguf_conversion import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, convert_gguf, gguf_config,
                                                gguf_state_dict, unpermute_rope)
-from batchspec.weights.head_vocab import HEAD_VOCAB_FILE, read_head_vocab
 from batchspec.runtime.model import Transformer
 from batchspec.runtime.precision import compute_dtype, dtype_name, resolve_precision
+from batchspec.weights.head_vocab import HEAD_VOCAB_FILE, read_head_vocab
 
 __all__ = ["GGUF_GLOBAL_NAMES", "GGUF_LAYER_NAMES", "LoadedModel", "TOKENIZER_FILES", "check_draft_compatible",
            "convert_gguf", "gguf_config", "gguf_state_dict", "load_model", "load_transformer", "model_source",
