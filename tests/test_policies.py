@@ -54,10 +54,10 @@ def test_dsd_chooses_k_by_goodput_and_learns_acceptance() -> None:
     cheap_drafts = lambda batch, k: 1.0 + 0.01 * k  # noqa: E731
     long_window = policy.plan(4, cheap_drafts).k
     for _ in range(20):
-        policy.observe([4, 4], [0, 0])  # nothing accepted: the estimate falls, and so does k
+        policy.observe(None, [4, 4], [0, 0])  # nothing accepted: the estimate falls, and so does k
     assert policy.plan(4, cheap_drafts).k < long_window
     before = policy.acceptance
-    policy.observe([0, 0], [0, 0])  # nothing verified: nothing learned
+    policy.observe(None, [0, 0], [0, 0])  # nothing verified: nothing learned
     assert policy.acceptance == before
 
 

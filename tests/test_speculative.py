@@ -12,7 +12,7 @@ from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
 from batchspec.errors import BatchspecError
 from batchspec.runtime.model import Transformer
 from batchspec.spec.config import SpecConfig
-from batchspec.spec.step_time import StepTimeModel
+from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
 from batchspec.weights.loading import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow  # real models end to end: left out of `pytest -m "not slow"`
@@ -22,6 +22,9 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.",
 # The noisy draft costs as much as the target, so a profiled dsd would rightly never speculate; this model makes
 # drafting look cheap so that dsd's window choice and verification paths run.
 CHEAP_DRAFT = StepTimeModel(c_fixed=1.0, c_draft_step=0.0, c_draft_token=0.0, c_target_token=0.001)
+# The same for Tetris choosing its capacity: every verified row costs 1 % of a step, so some steps verify many drafts
+# and (as acceptance is learned to be ~0.5) some few.
+CHEAP_STEPS = StepCost(CHEAP_DRAFT, RowTimeTable((1, 64), (1.0, 1.63)))
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +42,14 @@ def ar_outputs(default_model):
     return [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=20), chat=True)]
 
 
-@pytest.mark.parametrize("policy", ["sd", "dsd", "tetris", "oracle"])
+@pytest.mark.parametrize("policy", ["sd", "dsd", "tetris", "oracle", "tetris-auto"])
 def test_greedy_output_equals_ar(default_model, noisy_draft, ar_outputs, policy):
     # Batch 3 < 4 prompts: a request also joins mid-run; extra=3 gives Tetris real choices.
-    spec = SpecConfig(policy=policy, k=3, extra=3, k_max=5, measure_oracle=policy in ("tetris", "oracle"))
-    engine = Engine(default_model, noisy_draft, spec, max_batch_size=3, step_time=CHEAP_DRAFT)
+    capacity = "auto" if policy == "tetris-auto" else None  # C chosen per step from calibrated acceptance
+    policy = policy.removesuffix("-auto")
+    spec = SpecConfig(policy=policy, k=3, extra=3, k_max=5, capacity=capacity,
+                      measure_oracle=policy in ("tetris", "oracle"))
+    engine = Engine(default_model, noisy_draft, spec, max_batch_size=3, step_time=CHEAP_STEPS)
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=20), chat=True)
     assert [o.token_ids for o in outputs] == ar_outputs
     m = engine.metrics()
@@ -54,7 +60,7 @@ def test_greedy_output_equals_ar(default_model, noisy_draft, ar_outputs, policy)
         assert 0.0 < m["oracle_fraction"] <= 1.0 + 1e-9
     if policy == "oracle":
         assert m["oracle_fraction"] == pytest.approx(1.0)
-    if policy in ("sd", "tetris", "oracle"):  # capacity k*B: never more verified drafts than sd would send
+    if policy in ("sd", "tetris", "oracle") and capacity is None:  # C = k*B: never more verified drafts than sd
         for windows in engine.stats.window_history:
             assert sum(windows) <= spec.k * len(windows)
 

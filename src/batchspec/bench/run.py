@@ -27,7 +27,8 @@ from batchspec.spec.policies import LOSSLESS_POLICIES, POLICIES, policy_class
 from batchspec.weights.loading import LoadedModel
 
 
-ONLY_CHANGES = {"tau": "sprinter", "tetris_scores": "tetris"}  # sweep axes that matter to one policy only
+# Sweep axes that matter to some policies only (capacity: sd and dsd verify their window whatever C is).
+ONLY_CHANGES = {"tau": ("sprinter",), "tetris_scores": ("tetris",), "capacity": ("tetris", "oracle")}
 
 
 @dataclass
@@ -65,6 +66,8 @@ class BenchConfig:
                 if not values or not set(values) <= {"q", "verifier"}:
                     raise BatchspecError("--sweep tetris_scores: values must be q and/or verifier")
                 continue
+            if axis == "capacity":
+                values = tuple(v for v in values if v != "auto") or (0,)
             if not values or min(values) < (1 if axis in ("batch_size", "k") else 0):
                 raise BatchspecError(f"--sweep {axis}: values must be {'>= 1' if axis in ('batch_size', 'k') else '>= 0'}")
         check_baselines(self.baselines)
@@ -115,12 +118,14 @@ def parse_sweep(items: list[str]) -> dict[str, tuple]:
             elif ".." in values:
                 low, high = (int(v) for v in values.split(".."))
                 numbers = tuple(range(low, high + 1))
+            elif axis == "capacity":  # numbers, or auto (Tetris chooses C per step)
+                numbers = tuple(v.strip() if v.strip() == "auto" else int(v) for v in values.split(",") if v.strip())
             else:
                 kind = float if axis == "tau" else int  # tau is sprinter's probability threshold
                 numbers = tuple(kind(v) for v in values.split(",") if v.strip())
         except ValueError:
             raise BatchspecError(f"--sweep {item!r}: expected AXIS=1,2,4 or AXIS=LOW..HIGH with integers "
-                                 "(tau=0.3,0.5,0.7 with probabilities)") from None
+                                 "(tau=0.3,0.5,0.7 with probabilities, capacity=8,auto)") from None
         if not numbers:
             raise BatchspecError(f"--sweep {item!r}: no values")
         sweep[axis] = numbers
@@ -180,11 +185,10 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
         encoder = Engine(target)
         prompt_ids = [encoder.encode_prompt(p, config.chat) for p in prompts]
     for index, point in enumerate(sweep_points(config)):
-        # tau only changes sprinter and tetris_scores only tetris: a sweep over such axes alone runs the other
-        # policies at its first point only.
+        # A sweep over axes that change some policies only (ONLY_CHANGES) runs the others at its first point only.
         policies = [p for p in config.policies
                     if index == 0 or not set(config.sweep) <= set(ONLY_CHANGES) or
-                    any(ONLY_CHANGES[axis] == p for axis in config.sweep)]
+                    any(p in ONLY_CHANGES[axis] for axis in config.sweep)]
         engines = {policy: Engine(target, draft if policy_class(policy).speculative else None,
                                   replace(point.spec, policy=policy),
                                   max_batch_size=point.batch_size, seed=config.seed)

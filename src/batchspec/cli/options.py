@@ -46,8 +46,10 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
                                  "(learned verifier, approximate) (default ar)")
     parser.add_argument("-k", "--k", type=int, default=4, help="draft window of sd / base window (default 4)")
     parser.add_argument("--extra", type=int, default=2, help="extra draft tokens Tetris may choose from (default 2)")
-    parser.add_argument("--capacity", type=int, default=None,
-                        help="target verification capacity C per step (default k x active batch)")
+    parser.add_argument("--capacity", type=capacity_or_auto, default=None,
+                        help="target verification capacity C per step (default k x active batch); tetris: 'auto' "
+                             "chooses C each step for the most expected tokens per second, from calibrated "
+                             "acceptance and this machine's profiled step times")
     parser.add_argument("--turn-on-batch-size", type=int, default=1,
                         help="below this many active requests Tetris behaves as sd (default 1)")
     parser.add_argument("--k-max", type=int, default=8, help="largest window dsd may choose (default 8)")
@@ -89,6 +91,18 @@ def resolve_draft(spec: str | None, target: str | None = None) -> str | None:
 
         return paired_draft(target) or str(default_draft_dir())
     return spec
+
+
+def capacity_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer or auto, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer or auto, got {value}")
+    return value
 
 
 def max_tokens_or_auto(text: str) -> int | None:

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from batchspec.cli.options import capacity_or_auto
 from batchspec.errors import BatchspecError
 from batchspec.sim.simulate import PIPELINES, SIM_POLICIES, SimConfig, run_sim
 
@@ -35,7 +36,8 @@ def add_sim_parser(subparsers):
     add("--batch-sizes", default="16,32,64", help="comma-separated batch sizes (default 16,32,64)")
     add("-k", "--k", type=int, default=4, help="draft window of sd / base window (default 4)")
     add("--extra", type=int, default=2, help="extra draft tokens Tetris may choose from (default 2)")
-    add("--capacity", type=int, default=None, help="verification capacity C per step (default k x active batch)")
+    add("--capacity", type=capacity_or_auto, default=None,
+        help="verification capacity C per step (default k x active batch); tetris: auto (chosen per step)")
     add("--k-max", type=int, default=8, help="largest window dsd may choose, at most the trace's K' (default 8)")
     add("--pipeline", default="both", choices=("sequential", "parallel", "both"),
         help="sequential: draft then verify; parallel: drafting overlaps verification (default both)")

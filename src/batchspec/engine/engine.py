@@ -276,11 +276,16 @@ class Engine:
             self.commit(request, [token], now)
 
     def _profile_step_time(self) -> StepTime:
-        """Fit dsd's step-time model T(B, k) from timed target and draft forwards on scratch caches."""
-        from batchspec.spec.step_time import cached_step_time
+        """This machine's step costs from timed target and draft forwards on scratch caches (cached on disk): dsd's
+        T(B, k), and the target's time by rows for a policy that chooses its capacity."""
+        from batchspec.spec.step_time import StepCost, cached_row_times, cached_step_time
 
-        return cached_step_time(self.target.transformer, self.draft.transformer, self.max_batch_size,
-                                self.spec.k_max)
+        model = cached_step_time(self.target.transformer, self.draft.transformer, self.max_batch_size,
+                                 self.spec.k_max)
+        rows = self.max_batch_size * (self.policy.max_draft_length() + 1)
+        table = (cached_row_times(self.target.transformer, self.max_batch_size, rows)
+                 if self.policy.needs_row_times else None)
+        return StepCost(model, table)
 
     # --- finishing ------------------------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ class SimConfig:
     batch_size: int = 16
     k: int = 4
     extra: int = 2
-    capacity: int | None = None  # None: C = k x active batch, as in the engine
+    capacity: int | str | None = None  # None: C = k x active batch, as in the engine; "auto": tetris chooses
     pipeline: str = "sequential"
     num_requests: int | None = None  # None: 16 x batch_size, drawn with replacement (the drain tail stays small)
     replay: bool = False  # the trace's own requests, in order, once (the validation setting)
@@ -58,7 +58,7 @@ class SimConfig:
             raise BatchspecError(f"unknown pipeline {self.pipeline!r}; valid: {', '.join(PIPELINES)}")
         if self.k < 1 or self.extra < 0 or self.batch_size < 1:
             raise BatchspecError("need k >= 1, extra >= 0 and batch sizes >= 1")
-        if self.capacity is not None and self.capacity < 0:
+        if isinstance(self.capacity, int) and self.capacity < 0:
             raise BatchspecError(f"capacity must be >= 0 (got {self.capacity})")
         policy = self.make_policy(width)
         wanted = policy.draft_length(self.k, self.batch_size)
@@ -124,7 +124,7 @@ def _step(timelines: Timelines, cost, config: SimConfig, policy: Policy, active:
     positions = np.array([pos[i] for i in active])  # (B,)
     context = int((timelines.prompt_len[requests] + positions).sum())
     # dsd's goodput under the simulated hardware's step time, as if profiled there.
-    plan = policy.plan(batch, lambda b, kk: _step_time(cost, config.pipeline, policy, b, kk, b * (kk + 1), context))
+    plan = policy.plan(batch, _SimStepCost(cost, config.pipeline, policy, batch, context))
     k_prime = plan.k_prime
     rows = timelines.offset[requests] + positions  # (B,)
     logprobs = torch.from_numpy(timelines.logprobs[rows, :k_prime])  # (B, K')
@@ -151,11 +151,32 @@ def _step(timelines: Timelines, cost, config: SimConfig, policy: Policy, active:
     expected = None
     if k_prime:
         windows_t = torch.from_numpy(np.asarray(windows, dtype=np.int64))
-        expected = (expected_accepted(accept, windows_t), expected_accepted(accept, oracle_windows(accept, plan.capacity)))
+        expected = (expected_accepted(accept, windows_t), expected_accepted(accept, oracle_windows(accept, int(windows.sum()))))
     outcome = StepOutcome(int(emitted.sum()), windows.tolist(), accepted.tolist(), expected)
     stats.record_step(batch, outcome, keep_windows=False)
-    policy.observe(outcome.windows, outcome.accepted)
+    if k_prime:
+        policy.observe(proposal, outcome.windows, outcome.accepted)
     return _step_time(cost, config.pipeline, policy, batch, k_prime, verified + batch, context)
+
+
+@dataclass(frozen=True)
+class _SimStepCost:
+    """The simulated hardware's step time, in the parts a policy asks for (as `spec.step_time.StepCost`)."""
+
+    cost: object
+    pipeline: str
+    policy: Policy
+    batch: int
+    context: int
+
+    def __call__(self, batch: int, k: int) -> float:  # dsd's T(B, k)
+        return _step_time(self.cost, self.pipeline, self.policy, batch, k, batch * (k + 1), self.context)
+
+    def draft_s(self, batch: int, k: int) -> float:
+        return k * self.cost.draft_s(batch, self.context) if k else 0.0
+
+    def target_s(self, rows):
+        return np.vectorize(lambda r: self.cost.target_s(self.batch, int(r), self.context))(rows)
 
 
 def _step_time(cost, pipeline: str, policy: Policy, batch: int, k_prime: int, target_tokens: int, context: int) -> float:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 class SpecConfig:
     """The knobs of every policy in one flat record (what `--policy ... -k ... --tau ...` sets, what a bench sweep
     varies). A policy object (`spec.policies.make_policy`) reads the fields that are its own and validates them
-    (`Policy.validate`); the others are ignored. `capacity` None means C = k * B at each step (B = active requests)."""
+    (`Policy.validate`); the others are ignored."""
 
     policy: str = "ar"
     k: int = 4
     extra: int = 2
-    capacity: int | None = None
+    capacity: int | str | None = None  # None: k * B; a number: fixed C; "auto": chosen per step (tetris)
     turn_on_batch_size: int = 1  # Tetris acts as sd below this many active requests
     k_max: int = 8  # dsd's largest window
     measure_oracle: bool = False  # untimed extra target pass over all K' drafts: true a, oracle_fraction
@@ -24,5 +24,7 @@ class SpecConfig:
     tetris_scores: str = "q"  # tetris ranks by cumulative draft probability ("q") or verifier probability
 
     def capacity_for(self, batch_size: int) -> int:
-        """C = k * B (the verification cost of sd with window k: the Tetris paper's default), or the fixed C."""
-        return self.k * batch_size if self.capacity is None else self.capacity
+        """C = k * B (the verification cost of sd with window k: the Tetris paper's default), or the fixed C.
+
+        With "auto" Tetris chooses C per step; k * B is then only the reference budget of sd."""
+        return self.k * batch_size if self.capacity is None or self.capacity == "auto" else self.capacity

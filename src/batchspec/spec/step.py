@@ -93,11 +93,11 @@ def run(policy: Policy, plan: Plan, models: SpecModels, inputs: StepInputs, stat
 
     accepted, next_token = _verify(policy, models, inputs, proposal, windows, stats)
     expected = None
-    if accept_probs is not None:
+    if accept_probs is not None:  # judged against the oracle at the same number of verified drafts (Theorem 1: <= 1)
         expected = (expected_accepted(accept_probs, windows),
-                    expected_accepted(accept_probs, oracle_windows(accept_probs, plan.capacity)))
+                    expected_accepted(accept_probs, oracle_windows(accept_probs, int(windows.sum()))))
     windows_list, accepted_list = windows.tolist(), accepted.tolist()
-    policy.observe(windows_list, accepted_list)
+    policy.observe(proposal, windows_list, accepted_list)
     return StepResult(proposal.tokens.tolist(), drafted, windows_list, accepted_list, next_token.tolist(), expected)
 
 

@@ -1,4 +1,4 @@
-"""dsd's step-time model T(B, k), and its profiling: time real target and draft forwards on this machine and fit it.
+"""What a speculative step costs on this machine: dsd's fitted T(B, k), the target's time by rows scored, profiling.
 
 Profiles are cached as JSON under `<cache>/profiles/`, keyed by both models' configurations and a fingerprint of
 their weights, the grid, the torch version, thread count and CPU: a second run on the same machine reuses the fit
@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from batchspec.errors import BatchspecError
@@ -59,6 +60,44 @@ class StepTimeModel:
     def __call__(self, batch_size: int, k: int) -> float:
         f = self.features(batch_size, k)
         return self.c_fixed * f[0] + self.c_draft_step * f[1] + self.c_draft_token * f[2] + self.c_target_token * f[3]
+
+
+@dataclass(frozen=True)
+class RowTimeTable:
+    """Seconds of one target forward by the number of positions (rows) it scores, as profiled.
+
+    A table, not a line: on CPUs whose kernels work on blocks of rows (batch-invariant bfloat16: 16-row blocks) the
+    time is a staircase in the rows, and a verified draft is nearly free until the next step up.
+    """
+
+    rows: tuple[int, ...]  # increasing
+    seconds: tuple[float, ...]
+
+    def __call__(self, rows):
+        """Interpolated seconds at `rows` (int or array); beyond the table, the last segment's slope."""
+        x, y = np.asarray(self.rows, dtype=np.float64), np.asarray(self.seconds, dtype=np.float64)
+        out = np.interp(rows, x, y)
+        if len(x) > 1:
+            slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+            out = np.where(np.asarray(rows) > x[-1], y[-1] + slope * (np.asarray(rows) - x[-1]), out)
+        return out
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step's time by its parts: drafting (the draft terms of dsd's fit) and the target pass (the row table)."""
+
+    model: StepTimeModel
+    target: RowTimeTable | None = None  # profiled only for a policy that chooses its capacity (`needs_row_times`)
+
+    def draft_s(self, batch_size: int, k: int) -> float:
+        return self.model.c_draft_step * k + self.model.c_draft_token * batch_size * k
+
+    def target_s(self, rows):
+        return self.target(rows)
+
+    def __call__(self, batch_size: int, k: int) -> float:
+        return self.model(batch_size, k)
 
 
 def _time_forward(model: Transformer, batch: int, tokens_each: int, repeats: int = 2) -> float:
@@ -119,3 +158,42 @@ def profile_step_time(target: Transformer, draft: Transformer, max_batch: int, k
         for k in windows:
             samples.append((b, k, k * draft_time[b] + _time_forward(target, b, k + 1)))
     return StepTimeModel.fit(samples)
+
+
+def row_grid(max_rows: int) -> list[int]:
+    """Rows to profile: every few rows at first, then at and between multiples of 16 (where blocked kernels step)."""
+    grid = {1, 2, 3, 4, 6, 8, 12}
+    grid |= {r for m in range(16, max_rows + 16, 16) for r in (m - 1, m, m + 1)}
+    return sorted(r for r in grid if r <= max(max_rows, 1))
+
+
+def profile_row_times(target: Transformer, max_batch: int, max_rows: int) -> RowTimeTable:
+    """The target's forward time at each `row_grid` point: min(rows, max_batch) requests sharing the rows."""
+    points = {}
+    for rows in row_grid(max_rows):
+        requests = min(rows, max_batch)
+        each = -(-rows // requests)  # ceil
+        points[requests * each] = _time_forward(target, requests, each)
+    ordered = sorted(points)
+    return RowTimeTable(tuple(ordered), tuple(points[r] for r in ordered))
+
+
+def cached_row_times(target: Transformer, max_batch: int, max_rows: int) -> RowTimeTable:
+    """`profile_row_times`, remembered on disk for this machine and target."""
+    from batchspec.weights.known_models import cache_root
+
+    key = _profile_key(target, target, max_batch, max_rows)
+    path = cache_root() / "profiles" / f"row-times-{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        return RowTimeTable(tuple(data["rows"]), tuple(data["seconds"]))
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # absent or unreadable: profile again
+    table = profile_row_times(target, max_batch, max_rows)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps({"rows": table.rows, "seconds": table.seconds}))
+        path.with_suffix(".tmp").rename(path)
+    except OSError:
+        pass
+    return table

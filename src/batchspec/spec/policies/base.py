@@ -10,7 +10,8 @@ A step of the engine (and of the simulator) asks its policy, in order:
    choose `l` in a real run (so verification stays lossless whatever it picks); the oracle's true acceptance
    probabilities exist for measurement only;
 4. `trusted(windows)`: drafts kept without the target's check (SPRINTER), or None;
-5. `observe(windows, accepted)`: the outcome of the verification, for policies that learn (dsd's acceptance EMA).
+5. `observe(proposal, windows, accepted)`: the outcome of the verification, for policies that learn (dsd's
+   acceptance EMA, Tetris's calibrated acceptance).
 
 A new policy is one module defining a `Policy` subclass plus one line in `policies/__init__.py`.
 """
@@ -18,7 +19,7 @@ A new policy is one module defining a `Policy` subclass plus one line in `polici
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -40,12 +41,13 @@ class Plan:
 
     k: int  # sd's window (dsd: the k it chose this step)
     k_prime: int  # K': tokens the draft proposes per request; 0 = a plain decoding step
-    capacity: int  # C: most drafts the target verifies; also the oracle's budget in oracle_fraction
+    capacity: int  # C: most drafts the target verifies (a policy choosing its own C: the reference k * B)
+    step_time: StepTime | None = field(default=None, compare=False)  # this step's cost model, when the policy uses one
 
     def clamped(self, room: int, batch_size: int) -> Plan:
         """The plan with K' cut to `room` (never write past a cache; only near its end can this bind)."""
         k_prime = max(0, min(self.k_prime, room))
-        return Plan(self.k, k_prime, min(self.capacity, batch_size * k_prime))
+        return Plan(self.k, k_prime, min(self.capacity, batch_size * k_prime), self.step_time)
 
 
 class Policy:
@@ -56,6 +58,7 @@ class Policy:
     speculative: ClassVar[bool] = True  # runs a draft model (False: ar)
     needs_acceptance: ClassVar[bool] = False  # `select` reads the true acceptance a[i, j] (oracle: measurement only)
     needs_step_time: ClassVar[bool] = False  # `plan` reads the step-time model T(B, k) (dsd)
+    needs_row_times: bool = False  # ... and the target's time by rows scored (Tetris choosing its capacity)
     sorts: ClassVar[bool] = False  # selection sorts the whole batch's scores (a cost the simulator charges)
     description: ClassVar[str] = ""
 
@@ -94,7 +97,7 @@ class Policy:
         """(B,) drafts per request accepted without the target's check; None: the target checks every one."""
         return None
 
-    def observe(self, windows: list[int], accepted: list[int]) -> None:
+    def observe(self, proposal: Proposal, windows: list[int], accepted: list[int]) -> None:
         """Learn from one verification's outcome (per request: drafts verified, drafts accepted)."""
 
 
@@ -107,7 +110,7 @@ def check_windows(k: int, extra: int, capacity: int, batch_size: int) -> None:
     if batch_size < 1:
         raise BatchspecError(f"batch size must be >= 1 (got {batch_size})")
     if capacity < 0:
-        raise BatchspecError(f"capacity must be >= 0 (got {capacity})")
+        raise BatchspecError(f"capacity must be >= 0 or auto (got {capacity})")
     most = (k + extra) * batch_size
     if capacity > most:
         raise BatchspecError(

@@ -74,6 +74,6 @@ class DsdPolicy(SdPolicy):
         k = dsd_choose_k(self.acceptance.value, batch_size, self.spec.k_max, step_time)
         return Plan(k, k, min(self.spec.capacity_for(batch_size), batch_size * k))
 
-    def observe(self, windows: list[int], accepted: list[int]) -> None:
+    def observe(self, proposal, windows: list[int], accepted: list[int]) -> None:
         if sum(windows):
             self.acceptance = self.acceptance.update(sum(accepted) / sum(windows))

@@ -1,0 +1,86 @@
+"""Goodput Tetris's pure parts: calibrated acceptance (monotone, converges to the true rate) and the capacity that
+maximises expected tokens per second (equal to brute force over every C and every prefix-closed selection)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchspec.spec.calibration import EDGES, AcceptanceCalibration
+from batchspec.spec.policies.tetris import _top_capacity_windows, goodput_capacity
+from batchspec.spec.step_time import RowTimeTable
+
+
+def _brute_force_rate(survival: np.ndarray, seconds) -> float:
+    """Best expected tokens per second over every window assignment (each request: a prefix of its drafts)."""
+    batch, width = survival.shape
+    best = 0.0
+    for windows in itertools.product(range(width + 1), repeat=batch):
+        chosen = sum(int(w) for w in windows)
+        expected = batch + sum(survival[i, :w].sum() for i, w in enumerate(windows))
+        best = max(best, expected / float(seconds(np.array([chosen]))[0]))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 10_000), st.floats(0.0, 0.5), st.integers(1, 4))
+def test_goodput_capacity_equals_brute_force(batch, width, seed, per_row, step_rows):
+    rng = np.random.default_rng(seed)
+    survival = np.cumprod(rng.uniform(0.0, 1.0, (batch, width)), axis=1)  # non-increasing along K'
+    table = RowTimeTable(tuple(range(1, 16)), tuple(1.0 + per_row * ((r + step_rows - 1) // step_rows)
+                                                   for r in range(1, 16)))  # a staircase in the rows
+
+    def seconds(capacity):
+        return 0.2 + table(batch + capacity)
+
+    capacity = goodput_capacity(survival, seconds)
+    windows = _top_capacity_windows(torch.from_numpy(survival), capacity).numpy()
+    assert windows.sum() == capacity
+    rate = (batch + sum(survival[i, :w].sum() for i, w in enumerate(windows))) / float(seconds(np.array([capacity]))[0])
+    assert abs(rate - _brute_force_rate(survival, seconds)) < 1e-9
+
+
+def test_free_verification_takes_everything_and_costly_takes_nothing():
+    survival = np.cumprod(np.full((2, 3), 0.9), axis=1)
+    assert goodput_capacity(survival, lambda c: np.ones_like(c, dtype=float)) == 6  # every draft adds tokens
+    assert goodput_capacity(survival, lambda c: 1.0 + 10.0 * c) == 0  # a plain decoding step
+
+
+def test_calibration_starts_at_the_prior_and_is_monotone():
+    calibration = AcceptanceCalibration()
+    q = np.linspace(0.0, 1.0, 101)
+    before = calibration.estimate(q)
+    assert np.all(np.diff(before) >= 0) and before[0] < 0.05 and before[-1] > 0.95
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # outcomes that contradict the ordering: low q accepted more than high q
+        drafts = rng.uniform(0.0, 1.0, (8, 4))
+        accepted = (rng.uniform(size=8) < 0.5).astype(int) * 4
+        calibration.update(drafts[:, ::-1], np.full(8, 4), accepted)
+    assert np.all(np.diff(calibration.estimate(q)) >= -1e-12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.floats(0.05, 0.95), st.integers(0, 1000))
+def test_calibration_converges_to_the_true_rate(rate, seed):
+    """Drafts whose q says 0.9 but that pass with probability `rate`, one position each, in cascade."""
+    rng = np.random.default_rng(seed)
+    calibration = AcceptanceCalibration()
+    for _ in range(200):
+        q = np.full((16, 3), 0.9)
+        passes = rng.uniform(size=(16, 3)) < rate
+        accepted = np.cumprod(passes, axis=1).sum(axis=1)  # drafts accepted before the first rejection
+        calibration.update(q, np.full(16, 3), accepted)
+    assert abs(float(calibration.estimate(np.array([0.9]))[0]) - rate) < 0.05
+
+
+def test_only_reached_drafts_count():
+    calibration = AcceptanceCalibration()
+    calibration.update(np.array([[0.5, 0.5, 0.5]]), np.array([3]), np.array([0]))  # the first rejected
+    assert calibration.reached.sum() == 1 and calibration.accepted.sum() == 0
+    calibration.update(np.array([[0.5, 0.5, 0.5]]), np.array([2]), np.array([2]))  # window 2, both accepted
+    assert calibration.reached.sum() == 3 and calibration.accepted.sum() == 2
+    assert len(calibration.reached) == len(EDGES) - 1
