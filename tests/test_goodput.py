@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.spec.calibration import EDGES, AcceptanceCalibration
-from batchspec.spec.policies.tetris import _top_capacity_windows, goodput_capacity
-from batchspec.spec.step_time import RowTimeTable
+from batchspec.spec.policies.goodput import Goodput, best_draft_length, goodput_capacity
+from batchspec.spec.policies.tetris import _top_capacity_windows
+from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
 
 
 def _brute_force_rate(survival: np.ndarray, seconds) -> float:
@@ -84,3 +85,24 @@ def test_only_reached_drafts_count():
     calibration.update(np.array([[0.5, 0.5, 0.5]]), np.array([2]), np.array([2]))  # window 2, both accepted
     assert calibration.reached.sum() == 3 and calibration.accepted.sum() == 2
     assert len(calibration.reached) == len(EDGES) - 1
+
+
+def _cost(draft_step: float, per_row: float) -> StepCost:
+    return StepCost(StepTimeModel(0.0, draft_step, 0.0, 0.0), RowTimeTable((1, 200), (1.0, 1.0 + 199 * per_row)))
+
+
+def test_draft_length_drafts_when_it_pays_and_not_otherwise():
+    survival = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    assert best_draft_length(survival, 4, _cost(draft_step=0.01, per_row=0.001)) == 6  # cheap: draft the cap
+    assert best_draft_length(survival, 4, _cost(draft_step=5.0, per_row=0.001)) == 0  # drafting costs too much
+    assert best_draft_length(survival, 4, _cost(draft_step=0.01, per_row=1.0)) == 0  # verified rows cost too much
+    assert best_draft_length(survival, 4, _cost(draft_step=0.3, per_row=0.05)) == 3  # in between
+
+
+def test_goodput_drafts_the_cap_first_and_explores_after_plain_steps():
+    goodput = Goodput(max_draft=5)
+    expensive = _cost(draft_step=10.0, per_row=0.001)
+    assert goodput.draft_length(4, expensive) == 5  # nothing seen yet
+    goodput.survival(np.log(np.full((4, 5), 0.5)))
+    lengths = [goodput.draft_length(4, expensive) for _ in range(Goodput.explore_after + 1)]
+    assert lengths == [0] * Goodput.explore_after + [5]

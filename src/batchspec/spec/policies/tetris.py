@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from batchspec.errors import BatchspecError
-from batchspec.spec.calibration import AcceptanceCalibration
 from batchspec.spec.policies.base import Plan, Policy, sd_windows
+from batchspec.spec.policies.goodput import Goodput, goodput_capacity, step_seconds
 from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
 
 
@@ -74,20 +74,6 @@ def tetris_windows(draft_logprobs: Tensor, capacity: int) -> Tensor:
     return _top_capacity_windows(torch.cumsum(logprobs, dim=1), capacity)
 
 
-def goodput_capacity(survival: np.ndarray, seconds) -> int:
-    """The C that maximises expected tokens per second, (B + sum of the top-C survivals) / seconds(C).
-
-    survival (B, K'): estimated P(drafts 1..j of request i all accepted), non-increasing along K'; every request
-    emits one token more than its accepted drafts, hence B. seconds: C values (array) -> step seconds (array).
-    C = 0 is a plain decoding step. Ties go to the smallest C.
-    """
-    batch_size = survival.shape[0]
-    ranked = np.sort(survival, axis=None)[::-1]  # (B*K',) the top-C set is prefix-closed per request
-    expected = batch_size + np.concatenate([[0.0], np.cumsum(ranked)])  # (B*K'+1,) E[tokens] at C = 0, 1, ...
-    rate = expected / seconds(np.arange(len(expected)))
-    return int(np.argmax(rate))
-
-
 def oracle_windows(accept_probs: Tensor, capacity: int) -> Tensor:
     """Tetris with the true acceptance a[i,j]: top-C of log prod_{t<=j} a[i,t]. (B, K') -> (B,) int64.
 
@@ -117,9 +103,9 @@ class TetrisPolicy(Policy):
 
     def __init__(self, spec, verifier=None) -> None:
         super().__init__(spec, verifier)
-        self.auto = spec.capacity == "auto"  # choose C per step for goodput, on calibrated acceptance
+        self.auto = spec.capacity == "auto"  # K' and C chosen per step for goodput, on calibrated acceptance
         self.needs_step_time = self.needs_row_times = self.auto
-        self.calibration = AcceptanceCalibration()  # learned across steps, from verified drafts only
+        self.goodput = Goodput(spec.k + spec.extra) if self.auto else None  # what it has learned so far
 
     @classmethod
     def validate(cls, spec, batch_size: int) -> None:
@@ -132,9 +118,12 @@ class TetrisPolicy(Policy):
             raise BatchspecError("--capacity auto ranks by calibrated draft probabilities: use --tetris-scores q")
 
     def plan(self, batch_size: int, step_time=None) -> Plan:
-        if self.auto and step_time is None:
+        if not self.auto:
+            return super().plan(batch_size)
+        if step_time is None:
             raise BatchspecError("tetris with --capacity auto needs a step-time model to choose its capacity")
-        return replace(super().plan(batch_size), step_time=step_time)
+        plan = super().plan(batch_size)
+        return replace(plan, k_prime=self.goodput.draft_length(batch_size, step_time), step_time=step_time)
 
     def _on(self, batch_size: int) -> bool:
         return batch_size >= self.spec.turn_on_batch_size
@@ -150,12 +139,8 @@ class TetrisPolicy(Policy):
         if not self._on(batch_size):
             return sd_windows(batch_size, plan.k, k_prime, device=proposal.logprobs.device)
         if self.auto:
-            survival = np.cumprod(self.calibration.estimate(np.exp(proposal.logprobs.numpy())), axis=1)  # (B, K')
-
-            def seconds(capacity: np.ndarray) -> np.ndarray:  # the whole step: drafting done, the target to come
-                return plan.step_time.draft_s(batch_size, k_prime) + plan.step_time.target_s(batch_size + capacity)
-
-            capacity = goodput_capacity(survival, seconds)
+            survival = self.goodput.survival(proposal.logprobs.numpy())  # (B, K')
+            capacity = goodput_capacity(survival, step_seconds(plan.step_time, batch_size, k_prime))
             return _top_capacity_windows(torch.from_numpy(survival), capacity)
         # Calibrated (class balancing undone) verifier probabilities rank like acceptance probabilities.
         scores = (calibrated_log_probs(self.verifier, proposal.verifier_probs) if self.spec.tetris_scores == "verifier"
@@ -164,4 +149,4 @@ class TetrisPolicy(Policy):
 
     def observe(self, proposal, windows: list[int], accepted: list[int]) -> None:
         if self.auto:
-            self.calibration.update(np.exp(proposal.logprobs.numpy()), np.asarray(windows), np.asarray(accepted))
+            self.goodput.observe(proposal.logprobs.numpy(), np.asarray(windows), np.asarray(accepted))

@@ -1,0 +1,91 @@
+"""Goodput Tetris's choices, as pure functions over estimated survival and a step-cost model.
+
+Per step: the draft length K' (0 = a plain decoding step, the draft does not run) before drafting, from the survival
+each position has had lately; after drafting, the capacity C from every draft's own estimate. Both maximise expected
+emitted tokens per second of the whole step, B + (sum of the verified drafts' survivals) over
+T_draft(B, K') + T_target(B + C rows), with T from this machine's profile (`spec.step_time.StepCost`). Survival of
+draft j of request i = prod_{t<=j} P(accept | q[i, t]), the calibrated acceptance of earlier steps' outcomes
+(`spec.calibration`): draft-side information only, so verification stays lossless whatever is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from batchspec.spec.calibration import AcceptanceCalibration
+
+Seconds = Callable[[np.ndarray], np.ndarray]  # capacities C -> seconds of the step verifying C drafts
+
+
+def step_seconds(step_time, batch_size: int, k_prime: int) -> Seconds:
+    """The whole step's time as a function of C: K' draft passes over B rows, one target pass over B + C rows."""
+    drafting = step_time.draft_s(batch_size, k_prime) if k_prime else 0.0
+    return lambda capacity: drafting + step_time.target_s(batch_size + capacity)
+
+
+def capacity_rates(survival: np.ndarray, seconds: Seconds) -> np.ndarray:
+    """(B*K' + 1,) expected tokens per second when the target verifies the top-C drafts, C = 0, 1, ..., B*K'.
+
+    survival (B, K'), non-increasing along K' (so the top-C set is prefix-closed per request); every request emits
+    one token more than its accepted drafts, hence B.
+    """
+    ranked = np.sort(survival, axis=None)[::-1]  # (B*K',)
+    expected = survival.shape[0] + np.concatenate([[0.0], np.cumsum(ranked)])
+    return expected / seconds(np.arange(len(expected)))
+
+
+def goodput_capacity(survival: np.ndarray, seconds: Seconds) -> int:
+    """The C with the most expected tokens per second (the smallest on ties; 0 = verify nothing)."""
+    return int(np.argmax(capacity_rates(survival, seconds)))
+
+
+def best_draft_length(expected_survival: np.ndarray, batch_size: int, step_time) -> int:
+    """K' in 0..len(expected_survival) with the most expected tokens per second, every request predicted to survive
+    position j with expected_survival[j] (then C is chosen as `goodput_capacity` would)."""
+    best_k = 0
+    best_rate = batch_size / float(step_seconds(step_time, batch_size, 0)(np.array([0]))[0])
+    for k_prime in range(1, len(expected_survival) + 1):
+        rows = np.tile(expected_survival[:k_prime], (batch_size, 1))  # (B, K')
+        rate = float(capacity_rates(rows, step_seconds(step_time, batch_size, k_prime)).max())
+        if rate > best_rate:
+            best_k, best_rate = k_prime, rate
+    return best_k
+
+
+class Goodput:
+    """What goodput Tetris learns across steps: calibrated acceptance, and the mean survival of each position."""
+
+    explore_after = 8  # plain decoding steps in a row before drafting the whole cap again (acceptance may have risen)
+
+    def __init__(self, max_draft: int, decay: float = 0.8) -> None:
+        self.max_draft = max_draft
+        self.decay = decay
+        self.calibration = AcceptanceCalibration()
+        self.expected_survival: np.ndarray | None = None  # (max_draft,) recent mean survival per position
+        self._plain_steps = 0
+
+    def survival(self, logprobs: np.ndarray) -> np.ndarray:
+        """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position for `draft_length`."""
+        survival = np.cumprod(self.calibration.estimate(np.exp(logprobs)), axis=1)
+        mean = survival.mean(axis=0)  # (K',)
+        if self.expected_survival is None:
+            self.expected_survival = np.zeros(self.max_draft)
+            self.expected_survival[:len(mean)] = mean
+        else:
+            head = self.expected_survival[:len(mean)]
+            self.expected_survival[:len(mean)] = self.decay * head + (1.0 - self.decay) * mean
+        return survival
+
+    def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
+        self.calibration.update(np.exp(logprobs), windows, accepted)
+
+    def draft_length(self, batch_size: int, step_time) -> int:
+        """K' for the next step: the whole cap until a step has been seen, then the best predicted one."""
+        if self.expected_survival is None or self._plain_steps >= self.explore_after:
+            self._plain_steps = 0
+            return self.max_draft
+        k_prime = best_draft_length(self.expected_survival, batch_size, step_time)
+        self._plain_steps = self._plain_steps + 1 if k_prime == 0 else 0
+        return k_prime
