@@ -16,8 +16,12 @@ import torch
 
 from batchspec import configure_threads
 from batchspec.runtime.machine import machine_description
+from batchspec.spec.config import SpecConfig
+from batchspec.spec.policies import make_policy
 from batchspec.spec.policies.base import sd_windows
 from batchspec.spec.policies.tetris import oracle_windows, tetris_windows
+from batchspec.spec.proposal import Proposal
+from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
 
 
 def median_us(fn, repeats: int) -> float:
@@ -64,16 +68,30 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     logprobs = torch.rand(batch, k_prime, generator=gen).log()  # (B, K') draft log-probs
     accept = torch.rand(batch, k_prime, generator=gen)  # (B, K') true acceptance (oracle)
+    # Goodput Tetris (--capacity auto): calibrated survival, the capacity with the most expected tokens per second
+    # under a step-cost model, the windows, and learning from the step's outcome (select + observe, per step).
+    auto = make_policy(SpecConfig(policy="tetris", k=args.k, extra=args.extra, capacity="auto"), batch_size=batch)
+    cost = StepCost(StepTimeModel(0.0, 0.002, 0.0001, 0.0), RowTimeTable((1, 64, 65, 1024), (0.05, 0.06, 0.08, 0.4)),
+                    RowTimeTable((1, 64), (0.01, 0.02)))
+    plan = auto.plan(batch, cost)
+    proposal = Proposal(torch.zeros(batch, k_prime, dtype=torch.int64), None, logprobs)
+    outcome = [min(2, k_prime)] * batch, [1] * batch
+
+    def auto_step() -> None:
+        auto.select(plan, proposal)
+        auto.observe(proposal, *outcome)
+
     rows = {
         "sd": median_us(lambda: sd_windows(batch, args.k, k_prime), args.repeats),
         "tetris": median_us(lambda: tetris_windows(logprobs, capacity), args.repeats),
+        "tetris-auto": median_us(auto_step, args.repeats),
         "oracle": median_us(lambda: oracle_windows(accept, capacity), args.repeats),
     }
     print(f"B={batch} K'={k_prime} C={capacity} threads={threads} torch={torch.__version__}")
     print(f"machine: {machine_description()}")
-    print(f"{'policy':>8} {'median us/step':>15}")
+    print(f"{'policy':>11} {'median us/step':>15}")
     for name, us in rows.items():
-        print(f"{name:>8} {us:>15.1f}")
+        print(f"{name:>11} {us:>15.1f}")
     if not args.skip_target:
         ms = target_step_ms(batch, args.k, args.target)
         print(f"target verification step (B={batch}, {args.k + 1} positions each): {ms:.1f} ms "

@@ -88,7 +88,8 @@ def test_only_reached_drafts_count():
 
 
 def _cost(draft_step: float, per_row: float) -> StepCost:
-    return StepCost(StepTimeModel(0.0, draft_step, 0.0, 0.0), RowTimeTable((1, 200), (1.0, 1.0 + 199 * per_row)))
+    return StepCost(StepTimeModel(0.0, draft_step, 0.0, 0.0), RowTimeTable((1, 200), (1.0, 1.0 + 199 * per_row)),
+                    RowTimeTable((1, 200), (draft_step, draft_step)))
 
 
 def test_draft_length_drafts_when_it_pays_and_not_otherwise():

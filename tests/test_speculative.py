@@ -24,7 +24,7 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.",
 CHEAP_DRAFT = StepTimeModel(c_fixed=1.0, c_draft_step=0.0, c_draft_token=0.0, c_target_token=0.001)
 # The same for Tetris choosing its capacity: every verified row costs 1 % of a step, so some steps verify many drafts
 # and (as acceptance is learned to be ~0.5) some few.
-CHEAP_STEPS = StepCost(CHEAP_DRAFT, RowTimeTable((1, 64), (1.0, 1.63)))
+CHEAP_STEPS = StepCost(CHEAP_DRAFT, RowTimeTable((1, 64), (1.0, 1.63)), RowTimeTable((1, 64), (0.01, 0.01)))
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from batchspec.runtime.threads import configure_threads
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import Policy, StepTime, make_policy, policy_class
 from batchspec.spec.stats import RunStats, StepOutcome, summarize
+from batchspec.spec.step_time import step_cost
 from batchspec.weights.loading import LoadedModel, check_draft_compatible, load_model
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
@@ -42,7 +43,8 @@ class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
                  max_batch_size: int = 16, prefill_tokens: int = 2048, seed: int = 0,
                  step_time: StepTime | None = None) -> None:
-        """`step_time` is dsd's T(B, k) model; None profiles this machine when a dsd run first opens."""
+        """`step_time`: the step-cost model (dsd's T(B, k); a `StepCost` for tetris --capacity auto); None profiles this
+        machine when a run that needs it first opens."""
         if max_batch_size < 1:
             raise BatchspecError(f"batch size must be at least 1, got {max_batch_size}")
         self.spec = spec or SpecConfig()
@@ -160,8 +162,10 @@ class Engine:
         """Start a run: a fresh scheduler and fresh caches of `num_slots` requests of up to `max_len` tokens (profiles
         dsd's step time on first use). `keep_windows`: keep every step's windows in `stats.window_history` (off in a
         long-lived server); `trace`: as in `generate`."""
-        if self.policy.needs_step_time and self.step_time is None:
-            self.step_time = self._profile_step_time()
+        if self.policy.needs_step_time and self.step_time is None:  # timed forwards, cached on disk
+            self.step_time = step_cost(self.target.transformer, self.draft.transformer, self.max_batch_size,
+                                       self.spec.k_max, self.policy.max_draft_length() if self.policy.needs_row_times
+                                       else None)
         self.close()  # the previous run's caches go before the new ones are allocated
         self.runner = ModelRunner(self.target, self.draft if self.policy.speculative else None, num_slots, max_len)
         # Longest prompt + output a request may have: the cache, less one step's speculative overshoot.
@@ -274,18 +278,6 @@ class Engine:
         now = time.perf_counter()
         for request, token in zip(requests, tokens.tolist()):
             self.commit(request, [token], now)
-
-    def _profile_step_time(self) -> StepTime:
-        """This machine's step costs from timed target and draft forwards on scratch caches (cached on disk): dsd's
-        T(B, k), and the target's time by rows for a policy that chooses its capacity."""
-        from batchspec.spec.step_time import StepCost, cached_row_times, cached_step_time
-
-        model = cached_step_time(self.target.transformer, self.draft.transformer, self.max_batch_size,
-                                 self.spec.k_max)
-        rows = self.max_batch_size * (self.policy.max_draft_length() + 1)
-        table = (cached_row_times(self.target.transformer, self.max_batch_size, rows)
-                 if self.policy.needs_row_times else None)
-        return StepCost(model, table)
 
     # --- finishing ------------------------------------------------------------------------------------------------
 

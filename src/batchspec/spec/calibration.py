@@ -12,6 +12,7 @@ current step's target output, so a selection that uses it is still draft-side on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -37,7 +38,9 @@ class AcceptanceCalibration:
         bins = _bin(q)
         self.reached += np.bincount(bins[reached], minlength=len(self.reached))
         self.accepted += np.bincount(bins[passed & reached], minlength=len(self.accepted))
+        self.__dict__.pop("rates", None)  # recomputed on the next estimate
 
+    @cached_property
     def rates(self) -> np.ndarray:
         """(bins,) P(accept) per bin of q: posterior means, non-decreasing in q."""
         middle = (EDGES[:-1] + EDGES[1:]) / 2
@@ -46,7 +49,7 @@ class AcceptanceCalibration:
 
     def estimate(self, q: np.ndarray) -> np.ndarray:
         """P(accept) of each draft, q of any shape -> the same shape, in [0, 1]."""
-        return self.rates()[_bin(q)]
+        return self.rates[_bin(q)]
 
 
 def _bin(q: np.ndarray) -> np.ndarray:

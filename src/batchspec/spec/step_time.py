@@ -85,13 +85,16 @@ class RowTimeTable:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step's time by its parts: drafting (the draft terms of dsd's fit) and the target pass (the row table)."""
+    """A step's time by its parts: K' draft passes over B rows and one target pass over the verified rows, each from
+    its own profiled table (`needs_row_times`), and dsd's fitted T(B, k) as a whole."""
 
     model: StepTimeModel
-    target: RowTimeTable | None = None  # profiled only for a policy that chooses its capacity (`needs_row_times`)
+    target: RowTimeTable | None = None  # the target's forward by rows scored
+    draft: RowTimeTable | None = None  # the draft's forward by requests (one token each)
 
     def draft_s(self, batch_size: int, k: int) -> float:
-        return self.model.c_draft_step * k + self.model.c_draft_token * batch_size * k
+        # A table, not the fit's draft terms: a least-squares fit over few points may give them any sign.
+        return k * float(self.draft(batch_size)) if k else 0.0
 
     def target_s(self, rows):
         return self.target(rows)
@@ -197,3 +200,14 @@ def cached_row_times(target: Transformer, max_batch: int, max_rows: int) -> RowT
     except OSError:
         pass
     return table
+
+
+def step_cost(target: Transformer, draft: Transformer, max_batch: int, k_max: int,
+              max_draft: int | None = None) -> StepCost:
+    """This machine's step costs (each part cached on disk): dsd's T(B, k) and, with `max_draft` (a policy choosing
+    its draft length and capacity), both models' time by rows."""
+    model = cached_step_time(target, draft, max_batch, k_max)
+    if max_draft is None:
+        return StepCost(model)
+    return StepCost(model, cached_row_times(target, max_batch, max_batch * (max_draft + 1)),
+                    cached_row_times(draft, max_batch, max_batch))
