@@ -100,10 +100,12 @@ def test_draft_length_drafts_when_it_pays_and_not_otherwise():
     assert best_draft_length(survival, 4, _cost(draft_step=0.3, per_row=0.05)) == 3  # in between
 
 
-def test_goodput_drafts_the_cap_first_and_explores_after_plain_steps():
+def test_goodput_drafts_the_cap_first_then_explores_ever_more_rarely():
     goodput = Goodput(max_draft=5)
     expensive = _cost(draft_step=10.0, per_row=0.001)
     assert goodput.draft_length(4, expensive) == 5  # nothing seen yet
     goodput.survival(np.log(np.full((4, 5), 0.5)))
-    lengths = [goodput.draft_length(4, expensive) for _ in range(Goodput.explore_after + 1)]
-    assert lengths == [0] * Goodput.explore_after + [5]
+    wait = Goodput.explore_after
+    lengths = [goodput.draft_length(4, expensive) for _ in range(3 * wait + 1)]
+    # One draft after `wait` plain steps, then after twice as many while drafting keeps not paying.
+    assert lengths == [0] * (wait - 1) + [1] + [0] * (2 * wait - 1) + [1] + [0]

@@ -246,3 +246,20 @@ def test_record_and_replay_tiny_models(tmp_path, tiny_model_factory):
     assert len(saved["runs"]) == 2 * 2 * 4 and saved["ratio_sweep"]["points"]
     assert (out / "plots" / "throughput_vs_batch.png").is_file()
     assert (out / "plots" / "tetris_gain_vs_cost_ratio.png").is_file()
+
+
+def test_goodput_tetris_replays_in_the_simulator():
+    mixed = build_timelines(synthetic_trace([0.95, 0.2, 0.9, 0.1]))
+    config = SimConfig(policy="tetris", batch_size=16, k=3, extra=2, num_requests=64)
+    fixed = simulate(mixed, UNIT, config)
+    auto = simulate(mixed, UNIT, SimConfig(**{**config.__dict__, "capacity": "auto"}))
+    # Verified rows and drafting are free: the most tokens per second verify every draft, more than C = k * B.
+    assert auto["mean_accept_len"] > fixed["mean_accept_len"] and auto["vsr"] < fixed["vsr"]
+    assert auto["oracle_fraction"] <= 1.0 + 1e-9  # judged at its own number of verified drafts
+    # Drafts that are rarely accepted and cost half a target pass each: drafting stops paying, so it mostly stops.
+    hard = build_timelines(synthetic_trace([0.1] * 4))
+    costly = LinearCostModel("costly drafts", 1.0, 0.0, 0.5, 0.0, 0.0, 0.0)
+    sd = simulate(hard, costly, SimConfig(policy="sd", batch_size=16, k=3, num_requests=64))
+    stops = simulate(hard, costly, SimConfig(**{**config.__dict__, "capacity": "auto"}))
+    assert stops["tokens_per_s"] > 1.5 * sd["tokens_per_s"]
+    assert stops["draft_tokens"] < 0.1 * sd["draft_tokens"]

@@ -70,7 +70,7 @@ class SimConfig:
         """The engine's policy object for these settings (dsd's largest window clamped to the trace's K')."""
         spec = SpecConfig(policy=self.policy, k=self.k, extra=self.extra, capacity=self.capacity,
                           turn_on_batch_size=self.turn_on_batch_size, k_max=min(self.k_max, width))
-        return make_policy(spec, batch_size=1)
+        return make_policy(spec, batch_size=self.batch_size)
 
 
 def simulate(timelines: Timelines, cost, config: SimConfig) -> dict:

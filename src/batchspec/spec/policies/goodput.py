@@ -57,7 +57,8 @@ def best_draft_length(expected_survival: np.ndarray, batch_size: int, step_time)
 class Goodput:
     """What goodput Tetris learns across steps: calibrated acceptance, and the mean survival of each position."""
 
-    explore_after = 8  # plain decoding steps in a row before drafting the whole cap again (acceptance may have risen)
+    explore_after = 8  # plain decoding steps before one draft is tried again (acceptance may have risen);
+    explore_most = 64  # the wait doubles up to this while drafting keeps not paying
 
     def __init__(self, max_draft: int, decay: float = 0.8) -> None:
         self.max_draft = max_draft
@@ -65,6 +66,7 @@ class Goodput:
         self.calibration = AcceptanceCalibration()
         self.expected_survival: np.ndarray | None = None  # (max_draft,) recent mean survival per position
         self._plain_steps = 0
+        self._wait = self.explore_after
 
     def survival(self, logprobs: np.ndarray) -> np.ndarray:
         """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position for `draft_length`."""
@@ -82,10 +84,16 @@ class Goodput:
         self.calibration.update(np.exp(logprobs), windows, accepted)
 
     def draft_length(self, batch_size: int, step_time) -> int:
-        """K' for the next step: the whole cap until a step has been seen, then the best predicted one."""
-        if self.expected_survival is None or self._plain_steps >= self.explore_after:
-            self._plain_steps = 0
+        """K' for the next step: the whole cap until a step has been seen, then the best predicted one; after a run
+        of plain decoding steps, one draft per request, to see whether drafting pays again."""
+        if self.expected_survival is None:
             return self.max_draft
         k_prime = best_draft_length(self.expected_survival, batch_size, step_time)
-        self._plain_steps = self._plain_steps + 1 if k_prime == 0 else 0
-        return k_prime
+        if k_prime:
+            self._plain_steps, self._wait = 0, self.explore_after
+            return k_prime
+        self._plain_steps += 1
+        if self._plain_steps < self._wait:
+            return 0
+        self._plain_steps, self._wait = 0, min(2 * self._wait, self.explore_most)
+        return 1
