@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.spec.calibration import EDGES, AcceptanceCalibration
-from batchspec.spec.policies.goodput import Goodput, best_draft_length, goodput_capacity
+from batchspec.spec.policies.goodput import Goodput, best_draft_length, goodput_capacity, goodput_windows
 from batchspec.spec.policies.tetris import _top_capacity_windows
 from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
 
@@ -39,8 +39,9 @@ def test_goodput_capacity_equals_brute_force(batch, width, seed, per_row, step_r
         return 0.2 + table(batch + capacity)
 
     capacity = goodput_capacity(survival, seconds)
-    windows = _top_capacity_windows(torch.from_numpy(survival), capacity).numpy()
+    windows = goodput_windows(survival, seconds)
     assert windows.sum() == capacity
+    assert windows.tolist() == _top_capacity_windows(torch.from_numpy(survival), capacity).tolist()
     rate = (batch + sum(survival[i, :w].sum() for i, w in enumerate(windows))) / float(seconds(np.array([capacity]))[0])
     assert abs(rate - _brute_force_rate(survival, seconds)) < 1e-9
 

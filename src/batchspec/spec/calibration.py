@@ -54,12 +54,15 @@ class AcceptanceCalibration:
 
 def _bin(q: np.ndarray) -> np.ndarray:
     """Bin index of each q (NaN and q <= 0 go to the first bin, q >= 1 to the last)."""
-    q = np.nan_to_num(np.asarray(q, dtype=np.float64), nan=0.0)
+    # NaN sorts after every edge in searchsorted: map it to 0 first.
+    q = np.where(np.isnan(q), 0.0, q)
     return np.clip(np.searchsorted(EDGES, q, side="right") - 1, 0, len(EDGES) - 2)
 
 
 def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Weighted least-squares non-decreasing fit (pool adjacent violators). (n,) -> (n,)."""
+    if np.all(np.diff(values) >= 0):  # the usual case once data agrees with q: nothing to pool
+        return values
     blocks: list[list[float]] = []  # [weighted mean, weight, count]
     for value, weight in zip(values.tolist(), weights.tolist()):
         blocks.append([value, weight, 1])

@@ -73,14 +73,16 @@ class RowTimeTable:
     rows: tuple[int, ...]  # increasing
     seconds: tuple[float, ...]
 
+    def __post_init__(self) -> None:  # arrays once: the table is read at every step (selection overhead)
+        x, y = np.asarray(self.rows, dtype=np.float64), np.asarray(self.seconds, dtype=np.float64)
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else 0.0
+        object.__setattr__(self, "_table", (x, y, slope))
+
     def __call__(self, rows):
         """Interpolated seconds at `rows` (int or array); beyond the table, the last segment's slope."""
-        x, y = np.asarray(self.rows, dtype=np.float64), np.asarray(self.seconds, dtype=np.float64)
-        out = np.interp(rows, x, y)
-        if len(x) > 1:
-            slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
-            out = np.where(np.asarray(rows) > x[-1], y[-1] + slope * (np.asarray(rows) - x[-1]), out)
-        return out
+        x, y, slope = self._table
+        rows = np.asarray(rows, dtype=np.float64)
+        return np.where(rows > x[-1], y[-1] + slope * (rows - x[-1]), np.interp(rows, x, y))
 
 
 @dataclass(frozen=True)

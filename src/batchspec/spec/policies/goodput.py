@@ -41,6 +41,19 @@ def goodput_capacity(survival: np.ndarray, seconds: Seconds) -> int:
     return int(np.argmax(capacity_rates(survival, seconds)))
 
 
+def goodput_windows(survival: np.ndarray, seconds: Seconds) -> np.ndarray:
+    """Windows (B,) of the top-C drafts by survival at the goodput-best C: one stable sort serves both.
+
+    A stable sort of -survival in row-major order keeps each row's positions in order (survival is non-increasing
+    along K'), so every prefix of it is prefix-closed per request, also under ties.
+    """
+    batch_size, k_prime = survival.shape
+    order = np.argsort(-survival, axis=None, kind="stable")  # (B*K',)
+    expected = batch_size + np.concatenate([[0.0], np.cumsum(survival.reshape(-1)[order])])
+    capacity = int(np.argmax(expected / seconds(np.arange(len(expected)))))
+    return np.bincount(order[:capacity] // k_prime, minlength=batch_size)
+
+
 def best_draft_length(expected_survival: np.ndarray, batch_size: int, step_time) -> int:
     """K' in 0..len(expected_survival) with the most expected tokens per second, every request predicted to survive
     position j with expected_survival[j] (then C is chosen as `goodput_capacity` would)."""

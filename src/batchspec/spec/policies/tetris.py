@@ -22,7 +22,7 @@ from torch import Tensor
 
 from batchspec.errors import BatchspecError
 from batchspec.spec.policies.base import Plan, Policy, sd_windows
-from batchspec.spec.policies.goodput import Goodput, goodput_capacity, step_seconds
+from batchspec.spec.policies.goodput import Goodput, goodput_windows, step_seconds
 from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
 
 
@@ -140,8 +140,7 @@ class TetrisPolicy(Policy):
             return sd_windows(batch_size, plan.k, k_prime, device=proposal.logprobs.device)
         if self.auto:
             survival = self.goodput.survival(proposal.logprobs.numpy())  # (B, K')
-            capacity = goodput_capacity(survival, step_seconds(plan.step_time, batch_size, k_prime))
-            return _top_capacity_windows(torch.from_numpy(survival), capacity)
+            return torch.from_numpy(goodput_windows(survival, step_seconds(plan.step_time, batch_size, k_prime)))
         # Calibrated (class balancing undone) verifier probabilities rank like acceptance probabilities.
         scores = (calibrated_log_probs(self.verifier, proposal.verifier_probs) if self.spec.tetris_scores == "verifier"
                   else proposal.logprobs)
