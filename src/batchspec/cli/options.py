@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -94,15 +98,7 @@ def resolve_draft(spec: str | None, target: str | None = None) -> str | None:
 
 
 def capacity_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer or auto, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer or auto, got {value}")
-    return value
+    return text if text == "auto" else _int_at_least(text, 0, "a non-negative integer or auto")
 
 
 def max_tokens_or_auto(text: str) -> int | None:
