@@ -26,18 +26,19 @@ class AcceptanceCalibration:
     reached: np.ndarray = field(default_factory=lambda: np.zeros(len(EDGES) - 1))  # (bins,)
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(len(EDGES) - 1))  # (bins,)
 
-    def update(self, q: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
-        """Count one verification: q (B, K') draft probabilities, windows l (B,), accepted drafts (B,).
+    def update(self, q: np.ndarray, windows: np.ndarray, accepted: np.ndarray, bins: np.ndarray | None = None) -> None:
+        """Count one verification: q (B, K') draft probabilities, windows l (B,), accepted drafts (B,); `bins`: q's
+        bins when the caller has them already (`bin_of`).
 
         Draft j (0-based) of request i was reached iff j < min(l_i, accepted_i + 1): every draft before it passed.
         Only reached drafts say anything about P(accept | q): the others were never tested on their own.
         """
         positions = np.arange(q.shape[1])[None, :]  # (1, K')
         reached = positions < np.minimum(windows, accepted + 1)[:, None]  # (B, K')
-        passed = positions < accepted[:, None]  # (B, K')
-        bins = _bin(q)
+        passed = positions < accepted[:, None]  # (B, K'), a subset of reached (accepted <= l)
+        bins = bin_of(q) if bins is None else bins
         self.reached += np.bincount(bins[reached], minlength=len(self.reached))
-        self.accepted += np.bincount(bins[passed & reached], minlength=len(self.accepted))
+        self.accepted += np.bincount(bins[passed], minlength=len(self.accepted))
         self.__dict__.pop("rates", None)  # recomputed on the next estimate
 
     @cached_property
@@ -47,12 +48,12 @@ class AcceptanceCalibration:
         rates = (self.accepted + self.prior_strength * middle) / (self.reached + self.prior_strength)
         return _isotonic(rates, self.reached + self.prior_strength)
 
-    def estimate(self, q: np.ndarray) -> np.ndarray:
+    def estimate(self, q: np.ndarray, bins: np.ndarray | None = None) -> np.ndarray:
         """P(accept) of each draft, q of any shape -> the same shape, in [0, 1]."""
-        return self.rates[_bin(q)]
+        return self.rates[bin_of(q) if bins is None else bins]
 
 
-def _bin(q: np.ndarray) -> np.ndarray:
+def bin_of(q: np.ndarray) -> np.ndarray:
     """Bin index of each q (NaN and q <= 0 go to the first bin, q >= 1 to the last)."""
     # NaN sorts after every edge in searchsorted: map it to 0 first.
     q = np.where(np.isnan(q), 0.0, q)

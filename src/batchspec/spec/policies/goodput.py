@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from batchspec.spec.calibration import AcceptanceCalibration
+from batchspec.spec.calibration import AcceptanceCalibration, bin_of
 
 Seconds = Callable[[np.ndarray], np.ndarray]  # capacities C -> seconds of the step verifying C drafts
 
@@ -80,10 +80,12 @@ class Goodput:
         self.expected_survival: np.ndarray | None = None  # (max_draft,) recent mean survival per position
         self._plain_steps = 0
         self._wait = self.explore_after
+        self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
 
     def survival(self, logprobs: np.ndarray) -> np.ndarray:
         """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position for `draft_length`."""
-        survival = np.cumprod(self.calibration.estimate(np.exp(logprobs)), axis=1)
+        self._last = (logprobs, bin_of(np.exp(logprobs)))  # for `observe`, which sees the same drafts
+        survival = np.cumprod(self.calibration.estimate(None, self._last[1]), axis=1)
         mean = survival.mean(axis=0)  # (K',)
         if self.expected_survival is None:
             self.expected_survival = np.zeros(self.max_draft)
@@ -94,7 +96,9 @@ class Goodput:
         return survival
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
-        self.calibration.update(np.exp(logprobs), windows, accepted)
+        same = self._last is not None and np.array_equal(self._last[0], logprobs)  # the drafts `survival` saw
+        bins = self._last[1] if same else None
+        self.calibration.update(np.exp(logprobs), windows, accepted, bins)
 
     def draft_length(self, batch_size: int, step_time) -> int:
         """K' for the next step: the whole cap until a step has been seen, then the best predicted one; after a run
