@@ -95,7 +95,9 @@ def expected_accepted(accept_probs: Tensor, windows: Tensor) -> float:
 class TetrisPolicy(Policy):
     """Top-C cumulative draft probability across the batch; sd's window below `turn_on_batch_size` requests, where
     there is too little choice across requests to pay off. With `tetris_scores="verifier"` it ranks by the SPRINTER
-    verifier's calibrated P(accept) instead of q: still draft-side only, so still lossless."""
+    verifier's calibrated P(accept) instead of q: still draft-side only, so still lossless. With `capacity="auto"`
+    (goodput Tetris, `policies/goodput.py`) it chooses K' before drafting and C after it, for the most expected
+    tokens per second, on acceptance calibrated from earlier steps."""
 
     name = "tetris"
     sorts = True
