@@ -134,23 +134,29 @@ def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def cached_step_time(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> StepTimeModel:
-    """`profile_step_time`, remembered on disk for this machine and model pair."""
+def _cached(name: str, profile, read):
+    """`profile()`, remembered as JSON under `<cache>/profiles/<name>.json` (`read` rebuilds it from the JSON)."""
     from batchspec.weights.known_models import cache_root
 
-    path = cache_root() / "profiles" / f"step-time-{_profile_key(target, draft, max_batch, k_max)}.json"
+    path = cache_root() / "profiles" / f"{name}.json"
     try:
-        return StepTimeModel(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        return read(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
         pass  # absent or unreadable: profile again
-    model = profile_step_time(target, draft, max_batch, k_max)
+    result = profile()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(json.dumps(asdict(model)))
+        path.with_suffix(".tmp").write_text(json.dumps(asdict(result)))
         path.with_suffix(".tmp").rename(path)
     except OSError:
         pass  # a read-only cache only costs the re-profiling
-    return model
+    return result
+
+
+def cached_step_time(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> StepTimeModel:
+    """`profile_step_time`, remembered on disk for this machine and model pair."""
+    return _cached(f"step-time-{_profile_key(target, draft, max_batch, k_max)}",
+                   lambda: profile_step_time(target, draft, max_batch, k_max), lambda data: StepTimeModel(**data))
 
 
 def profile_step_time(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> StepTimeModel:
@@ -183,25 +189,11 @@ def profile_row_times(target: Transformer, max_batch: int, max_rows: int) -> Row
     return RowTimeTable(tuple(ordered), tuple(points[r] for r in ordered))
 
 
-def cached_row_times(target: Transformer, max_batch: int, max_rows: int) -> RowTimeTable:
-    """`profile_row_times`, remembered on disk for this machine and target."""
-    from batchspec.weights.known_models import cache_root
-
-    key = _profile_key(target, target, max_batch, max_rows)
-    path = cache_root() / "profiles" / f"row-times-{key}.json"
-    try:
-        data = json.loads(path.read_text())
-        return RowTimeTable(tuple(data["rows"]), tuple(data["seconds"]))
-    except (OSError, ValueError, TypeError, KeyError):
-        pass  # absent or unreadable: profile again
-    table = profile_row_times(target, max_batch, max_rows)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(json.dumps({"rows": table.rows, "seconds": table.seconds}))
-        path.with_suffix(".tmp").rename(path)
-    except OSError:
-        pass
-    return table
+def cached_row_times(model: Transformer, max_batch: int, max_rows: int) -> RowTimeTable:
+    """`profile_row_times`, remembered on disk for this machine and model."""
+    return _cached(f"row-times-{_profile_key(model, model, max_batch, max_rows)}",
+                   lambda: profile_row_times(model, max_batch, max_rows),
+                   lambda data: RowTimeTable(tuple(data["rows"]), tuple(data["seconds"])))
 
 
 def step_cost(target: Transformer, draft: Transformer, max_batch: int, k_max: int,
