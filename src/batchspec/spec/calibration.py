@@ -48,9 +48,9 @@ class AcceptanceCalibration:
         rates = (self.accepted + self.prior_strength * middle) / (self.reached + self.prior_strength)
         return _isotonic(rates, self.reached + self.prior_strength)
 
-    def estimate(self, q: np.ndarray, bins: np.ndarray | None = None) -> np.ndarray:
+    def estimate(self, q: np.ndarray) -> np.ndarray:
         """P(accept) of each draft, q of any shape -> the same shape, in [0, 1]."""
-        return self.rates[bin_of(q) if bins is None else bins]
+        return self.rates[bin_of(q)]
 
 
 def bin_of(q: np.ndarray) -> np.ndarray:

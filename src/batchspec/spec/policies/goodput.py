@@ -85,7 +85,7 @@ class Goodput:
     def survival(self, logprobs: np.ndarray) -> np.ndarray:
         """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position for `draft_length`."""
         self._last = (logprobs, bin_of(np.exp(logprobs)))  # for `observe`, which sees the same drafts
-        survival = np.cumprod(self.calibration.estimate(None, self._last[1]), axis=1)
+        survival = np.cumprod(self.calibration.rates[self._last[1]], axis=1)
         mean = survival.mean(axis=0)  # (K',)
         if self.expected_survival is None:
             self.expected_survival = np.zeros(self.max_draft)
