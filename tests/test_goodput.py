@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.spec.calibration import EDGES, AcceptanceCalibration
-from batchspec.spec.policies.goodput import Goodput, best_draft_length, goodput_capacity, goodput_windows
+from batchspec.spec.policies.goodput import (Goodput, best_draft_length, goodput_capacity, goodput_windows,
+                                             smallest_step)
 from batchspec.spec.policies.tetris import _top_capacity_windows
+from batchspec.spec.proposal import replay_drafting, undrafted
 from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
 
 
@@ -110,3 +112,35 @@ def test_goodput_drafts_the_cap_first_then_explores_ever_more_rarely():
     lengths = [goodput.draft_length(4, expensive) for _ in range(3 * wait + 1)]
     # One draft after `wait` plain steps, then after twice as many while drafting keeps not paying.
     assert lengths == [0] * (wait - 1) + [1] + [0] * (2 * wait - 1) + [1] + [0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 6), st.integers(0, 10_000), st.floats(0.0, 0.3), st.integers(1, 4),
+       st.floats(0.0, 2.0))
+def test_pruned_drafting_keeps_every_draft_goodput_verifies(batch, width, seed, per_row, step_rows, drafting_s):
+    """With `goodput_keep_drafting` the goodput-best windows are those of drafting everything, for linear and
+    staircase step times alike; on a linear one, hopeless requests do stop early."""
+    rng = np.random.default_rng(seed)
+    q = rng.uniform(0.0, 1.0, (batch, width)) ** rng.uniform(0.2, 3.0, (batch, 1))  # easy and hard requests
+    logprobs = torch.from_numpy(np.log(q))
+    goodput = Goodput(width)
+    for _ in range(3):  # a calibration that has seen some outcomes
+        goodput.observe(np.log(rng.uniform(size=(batch, width))), np.full(batch, width), rng.integers(0, width, batch))
+    table = RowTimeTable(tuple(range(1, 64)), tuple(1.0 + per_row * ((r + step_rows - 1) // step_rows)
+                                                   for r in range(1, 64)))
+
+    def seconds(capacity):
+        return drafting_s + table(batch + capacity)
+
+    step = smallest_step(seconds, batch * width)
+
+    def rule(so_far, drafting):
+        return torch.from_numpy(goodput.keep_drafting(so_far.numpy(), drafting.numpy(), seconds, step))
+
+    drafted = replay_drafting(rule, logprobs)
+    pruned = goodput_windows(goodput.survival(undrafted(logprobs, drafted).numpy()), seconds)
+    full = goodput_windows(goodput.survival(logprobs.numpy()), seconds)
+    assert pruned.tolist() == full.tolist()
+    assert np.all(pruned <= drafted.numpy())
+    if step_rows > 1 or per_row == 0.0:
+        assert step == 0.0 and drafted.tolist() == [width] * batch  # free verification somewhere: no pruning

@@ -42,13 +42,15 @@ def ar_outputs(default_model):
     return [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=20), chat=True)]
 
 
-@pytest.mark.parametrize("policy", ["sd", "dsd", "tetris", "oracle", "tetris-auto"])
+@pytest.mark.parametrize("policy", ["sd", "dsd", "tetris", "oracle", "tetris-auto", "tetris-pruned"])
 def test_greedy_output_equals_ar(default_model, noisy_draft, ar_outputs, policy):
     # Batch 3 < 4 prompts: a request also joins mid-run; extra=3 gives Tetris real choices.
-    capacity = "auto" if policy == "tetris-auto" else None  # C chosen per step from calibrated acceptance
-    policy = policy.removesuffix("-auto")
+    # auto: C chosen per step from calibrated acceptance; pruned: C = B binds, so requests stop drafting early (a
+    # measured step drafts everything, so the oracle-measured tetris run does not prune).
+    capacity = {"tetris-auto": "auto", "tetris-pruned": 3}.get(policy)
+    policy = policy.removesuffix("-auto").removesuffix("-pruned")
     spec = SpecConfig(policy=policy, k=3, extra=3, k_max=5, capacity=capacity,
-                      measure_oracle=policy in ("tetris", "oracle"))
+                      measure_oracle=policy in ("tetris", "oracle") and capacity is None)
     engine = Engine(default_model, noisy_draft, spec, max_batch_size=3, step_time=CHEAP_STEPS)
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=20), chat=True)
     assert [o.token_ids for o in outputs] == ar_outputs
@@ -58,6 +60,8 @@ def test_greedy_output_equals_ar(default_model, noisy_draft, ar_outputs, policy)
     assert 1.0 <= m["mean_accept_len"] <= spec.k + spec.extra + 1
     if spec.measure_oracle:
         assert 0.0 < m["oracle_fraction"] <= 1.0 + 1e-9
+    if capacity == 3:
+        assert m["draft_tokens"] < sum(len(windows) for windows in engine.stats.window_history) * (spec.k + spec.extra)
     if policy == "oracle":
         assert m["oracle_fraction"] == pytest.approx(1.0)
     if policy in ("sd", "tetris", "oracle") and capacity is None:  # C = k*B: never more verified drafts than sd
@@ -112,3 +116,53 @@ def test_bfloat16_draft_stays_lossless(default_model, ar_outputs, policy):
     assert draft.transformer.dtype == torch.bfloat16
     assert [o.token_ids for o in outputs] == ar_outputs
     assert engine.metrics()["vsr"] > 0.1  # the draft still proposes tokens the target accepts
+
+
+def test_pruned_drafting_on_recorded_steps(default_model):
+    """Every step of a real run (the shipped draft, HumanEval, batch 8), drafted in full and recorded: replaying
+    Tetris's pruned drafting on it gives the windows of drafting everything, at fixed C and with goodput's C on a
+    linear and a staircase step cost, and it does leave drafts out."""
+    import numpy as np
+
+    from batchspec.engine.trace import TraceRecorder
+    from batchspec.spec.policies import Plan
+    from batchspec.spec.policies.tetris import TetrisPolicy, tetris_windows
+    from batchspec.spec.proposal import Proposal, replay_drafting, undrafted
+    from batchspec.weights.known_models import default_draft_dir
+
+    draft = load_model(default_draft_dir())
+    spec = SpecConfig(policy="tetris", k=3, extra=3, measure_oracle=True)  # measured: every draft is made
+    recorder = TraceRecorder()
+    prompts = [humaneval_chat_prompt(p) for p in humaneval_prompts()[:8]]
+    engine = Engine(default_model, draft, spec, max_batch_size=8)
+    engine.generate(prompts, SamplingParams(max_tokens=24), chat=True, trace=recorder)
+    trace = recorder.to_trace(engine.last_requests, {})
+    steps = [(torch.from_numpy(trace.logprobs[trace.step == s]), trace.accept[trace.step == s])
+             for s in range(int(trace.step.max()) + 1)]
+    linear = StepCost(CHEAP_DRAFT, RowTimeTable((1, 64), (1.0, 1.63)), RowTimeTable((1, 64), (0.05, 0.1)))
+    stairs = StepCost(CHEAP_DRAFT, RowTimeTable((1, 16, 17, 32, 33, 64), (1.0, 1.0, 1.2, 1.2, 1.4, 1.4)),
+                      RowTimeTable((1, 64), (0.05, 0.1)))
+    left_out = 0
+    for capacity in (1, 4, 8, 24):
+        policy = TetrisPolicy(SpecConfig(policy="tetris", k=3, extra=3, capacity=capacity))
+        for logprobs, _ in steps:
+            batch, k_prime = logprobs.shape
+            plan = Plan(3, k_prime, min(capacity, batch * k_prime))
+            drafted = replay_drafting(policy.drafting_rule(plan, batch), logprobs)
+            pruned = tetris_windows(undrafted(logprobs, drafted), plan.capacity)
+            assert pruned.tolist() == tetris_windows(logprobs, plan.capacity).tolist()
+            left_out += batch * k_prime - int(drafted.sum())
+    for cost in (linear, stairs):
+        policy = TetrisPolicy(SpecConfig(policy="tetris", k=3, extra=3, capacity="auto"))
+        for logprobs, accept in steps:
+            batch, k_prime = logprobs.shape
+            plan = Plan(3, k_prime, 3 * batch, cost)
+            drafted = replay_drafting(policy.drafting_rule(plan, batch), logprobs)
+            full = Proposal(torch.zeros_like(logprobs, dtype=torch.int64), None, logprobs)
+            windows = policy.select(plan, full)
+            pruned = policy.select(plan, Proposal(full.tokens, None, undrafted(logprobs, drafted), drafted))
+            assert pruned.tolist() == windows.tolist()
+            passed = np.cumprod(accept > 0.5, axis=1) * (np.arange(k_prime) < windows.numpy()[:, None])
+            policy.observe(full, windows.tolist(), passed.sum(axis=1).tolist())  # it learns as in a run
+            left_out += batch * k_prime - int(drafted.sum())
+    assert left_out > 0

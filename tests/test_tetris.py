@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.spec.policies.base import sd_windows
-from batchspec.spec.policies.tetris import expected_accepted, oracle_windows, tetris_windows
+from batchspec.spec.policies.tetris import expected_accepted, oracle_windows, tetris_keep_drafting, tetris_windows
+from batchspec.spec.proposal import replay_drafting, undrafted
 
 FAST = settings(max_examples=150, derandomize=True, deadline=None)
 
@@ -153,3 +154,23 @@ def test_tetris_prefers_easy_requests() -> None:
     logprobs = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.2, 0.9, 0.9, 0.9]]))
     assert tetris_windows(logprobs, 4).tolist() == [4, 0]
     assert tetris_windows(logprobs, 5).tolist() == [4, 1]
+
+
+@FAST
+@given(st.integers(1, 6), st.integers(2, 6), st.integers(0, 10_000), st.integers(0, 40))
+def test_pruned_drafting_keeps_every_draft_the_selection_verifies(batch_size, k_prime, seed, capacity):
+    """Drafting with `tetris_keep_drafting` and then selecting gives the windows of drafting everything, and no
+    window reaches past what a request drafted (ties salted in: repeated and zero log-probabilities)."""
+    capacity = min(capacity, batch_size * k_prime)
+    generator = torch.Generator().manual_seed(seed)
+    logprobs = random_accept_probs(generator, batch_size, k_prime).float().log()  # (B, K'), -inf included
+
+    def rule(so_far, drafting):
+        return torch.from_numpy(tetris_keep_drafting(so_far.numpy(), drafting.numpy(), capacity))
+
+    drafted = replay_drafting(rule, logprobs)
+    windows = tetris_windows(undrafted(logprobs, drafted), capacity)
+    assert windows.tolist() == tetris_windows(logprobs, capacity).tolist()
+    assert bool((windows <= drafted).all())
+    if capacity == 0:
+        assert drafted.tolist() == [1] * batch_size  # nothing can be verified: one pass, then stop

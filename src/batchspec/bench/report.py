@@ -10,9 +10,9 @@ from pathlib import Path
 from batchspec.bench.plots import baselines_by_name, write_plots
 
 TABLE_FIELDS = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "system_efficiency", "target_calls",
-                "oracle_fraction", "match_ar", "select_us_per_step")
+                "draft_tokens", "oracle_fraction", "match_ar", "select_us_per_step")
 QUALITY_FIELDS = ("rouge_l_ar", "target_nll")  # lossy runs only (sprinter), and ar for reference
-POINT_FIELDS = ("batch_size", "k", "extra", "capacity", "tau", "tetris_scores")
+POINT_FIELDS = ("batch_size", "k", "extra", "capacity", "tau", "tetris_scores", "prune_drafts")
 
 
 def _point_label(run: dict, swept: list[str]) -> str:

@@ -28,7 +28,8 @@ from batchspec.weights.loading import LoadedModel
 
 
 # Sweep axes that matter to some policies only (capacity: sd and dsd verify their window whatever C is).
-ONLY_CHANGES = {"tau": ("sprinter",), "tetris_scores": ("tetris",), "capacity": ("tetris", "oracle")}
+ONLY_CHANGES = {"tau": ("sprinter",), "tetris_scores": ("tetris",), "capacity": ("tetris", "oracle"),
+                "prune_drafts": ("tetris",)}
 
 
 @dataclass
@@ -138,8 +139,8 @@ def sweep_points(config: BenchConfig) -> list[BenchConfig]:
     points = []
     for values in itertools.product(*(config.sweep[a] for a in axes)):
         point = dict(zip(axes, values))
-        spec = replace(config.spec, **{a: point[a] for a in ("k", "extra", "capacity", "tau", "tetris_scores")
-                                       if a in point})
+        spec = replace(config.spec, **{a: point[a] for a in ("k", "extra", "capacity", "tau", "tetris_scores",
+                                                              "prune_drafts") if a in point})
         points.append(replace(config, batch_size=point.get("batch_size", config.batch_size), spec=spec))
     return points
 
@@ -207,7 +208,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                 metrics = engine.metrics()
                 metrics.update(policy=policy, trial=trial, point=index, batch_size=point.batch_size, k=point.spec.k,
                                extra=point.spec.extra, capacity=point.spec.capacity, tau=point.spec.tau,
-                               tetris_scores=point.spec.tetris_scores,
+                               tetris_scores=point.spec.tetris_scores, prune_drafts=point.spec.prune_drafts,
                                window_history=engine.stats.window_history)
                 runs.append(metrics)
                 if log is not None:

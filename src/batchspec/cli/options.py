@@ -68,6 +68,9 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
     parser.add_argument("--tetris-scores", default="q", choices=("q", "verifier"),
                         help="tetris ranks drafts by cumulative draft probability q (default) or by the verifier's "
                              "learned acceptance probability (lossless either way)")
+    parser.add_argument("--no-prune-drafts", dest="prune_drafts", action="store_false",
+                        help="tetris: draft all k + extra tokens for every request (default: a request stops drafting "
+                             "once none of its later drafts could be verified; the windows are the same either way)")
 
 
 def spec_config(args: argparse.Namespace):
@@ -76,7 +79,8 @@ def spec_config(args: argparse.Namespace):
     return SpecConfig(policy=getattr(args, "policy", "ar"), k=args.k, extra=args.extra, capacity=args.capacity,
                       turn_on_batch_size=args.turn_on_batch_size, k_max=args.k_max,
                       measure_oracle=args.measure_oracle, verifier=resolve_verifier(args.verifier),
-                      tau=args.tau, block_cap=args.block_cap, tetris_scores=args.tetris_scores)
+                      tau=args.tau, block_cap=args.block_cap, tetris_scores=args.tetris_scores,
+                      prune_drafts=args.prune_drafts)
 
 
 def resolve_verifier(spec: str | None) -> str | None:

@@ -28,7 +28,7 @@ from batchspec.sim.cost_models import DraftRatioCostModel, draft_target_ratio
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import REGISTRY, Policy, make_policy
 from batchspec.spec.policies.tetris import expected_accepted, oracle_windows
-from batchspec.spec.proposal import Proposal
+from batchspec.spec.proposal import Proposal, replay_drafting, undrafted
 from batchspec.spec.stats import RunStats, summarize
 from batchspec.spec.stats import StepOutcome
 
@@ -130,8 +130,13 @@ def _step(timelines: Timelines, cost, config: SimConfig, policy: Policy, active:
     logprobs = torch.from_numpy(timelines.logprobs[rows, :k_prime])  # (B, K')
     accept = torch.from_numpy(timelines.accept[rows, :k_prime])  # (B, K')
     windows = np.zeros(batch, dtype=np.int64)  # (B,) K' = 0 (dsd chose plain decoding): one token per request
+    passes = [batch] * k_prime  # rows of each draft pass
     if k_prime:
-        proposal = Proposal(tokens=torch.zeros(batch, k_prime, dtype=torch.int64), probs=None, logprobs=logprobs)
+        rule = policy.drafting_rule(plan, batch)  # pruned drafting, replayed on the recorded drafts
+        drafted = replay_drafting(rule, logprobs) if rule is not None else torch.full((batch,), k_prime)
+        passes = [int((drafted > j).sum()) for j in range(k_prime)]
+        proposal = Proposal(tokens=torch.zeros(batch, k_prime, dtype=torch.int64), probs=None,
+                            logprobs=undrafted(logprobs, drafted), drafted=drafted)
         windows = policy.select(plan, proposal, accept).numpy()
     # Verification: draft j survives with probability a[i,j], in cascade; the uniforms are drawn for the widest
     # window so that every policy sees the same random stream (common random numbers).
@@ -143,8 +148,9 @@ def _step(timelines: Timelines, cost, config: SimConfig, policy: Policy, active:
         pos[i] += n
 
     verified = int(windows.sum())
-    stats.draft_s += k_prime * cost.draft_s(batch, context) if k_prime else 0.0
-    stats.draft_tokens += batch * k_prime
+    draft_s = sum(cost.draft_s(rows, context) for rows in passes if rows)
+    stats.draft_s += draft_s
+    stats.draft_tokens += sum(passes)
     stats.count_target(cost.target_s(batch, verified + batch, context), verified + batch)
     stats.select_s += cost.select_s(policy.sorts)
     stats.emitted_tokens += int(emitted.sum())
@@ -156,7 +162,7 @@ def _step(timelines: Timelines, cost, config: SimConfig, policy: Policy, active:
     stats.record_step(batch, outcome, keep_windows=False)
     if k_prime:
         policy.observe(proposal, outcome.windows, outcome.accepted)
-    return _step_time(cost, config.pipeline, policy, batch, k_prime, verified + batch, context)
+    return _step_time(cost, config.pipeline, policy, batch, draft_s, verified + batch, context)
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,8 @@ class _SimStepCost:
     context: int
 
     def __call__(self, batch: int, k: int) -> float:  # dsd's T(B, k)
-        return _step_time(self.cost, self.pipeline, self.policy, batch, k, batch * (k + 1), self.context)
+        return _step_time(self.cost, self.pipeline, self.policy, batch, self.draft_s(batch, k), batch * (k + 1),
+                          self.context)
 
     def draft_s(self, batch: int, k: int) -> float:
         return k * self.cost.draft_s(batch, self.context) if k else 0.0
@@ -179,9 +186,10 @@ class _SimStepCost:
         return np.vectorize(lambda r: self.cost.target_s(self.batch, int(r), self.context))(rows)
 
 
-def _step_time(cost, pipeline: str, policy: Policy, batch: int, k_prime: int, target_tokens: int, context: int) -> float:
-    """Seconds of one step: drafting K' tokens, one target forward over `target_tokens` positions, selection."""
-    draft = k_prime * cost.draft_s(batch, context) if k_prime else 0.0
+def _step_time(cost, pipeline: str, policy: Policy, batch: int, draft: float, target_tokens: int,
+               context: int) -> float:
+    """Seconds of one step: `draft` seconds of drafting, one target forward over `target_tokens` positions,
+    selection."""
     target = cost.target_s(batch, target_tokens, context)
     overlap = max(draft, target) if pipeline == "parallel" else draft + target
     return overlap + cost.select_s(policy.sorts) + cost.step_overhead_s

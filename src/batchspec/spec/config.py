@@ -22,6 +22,7 @@ class SpecConfig:
     tau: float | None = None  # sprinter: accept a draft without the target iff verifier prob >= tau (None: its own)
     block_cap: int = 20  # sprinter: L, the most tokens a request drafts before the target is called
     tetris_scores: str = "q"  # tetris ranks by cumulative draft probability ("q") or verifier probability
+    prune_drafts: bool = True  # tetris: a request stops drafting once none of its later drafts could be verified
 
     def capacity_for(self, batch_size: int) -> int:
         """C = k * B (the verification cost of sd with window k: the Tetris paper's default), or the fixed C.

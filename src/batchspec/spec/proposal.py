@@ -8,6 +8,7 @@ when the target accepted every draft of the last step (the draft never ran on it
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,13 @@ class Proposal:
     tokens: Tensor  # (B, K') int64 draft tokens
     probs: Tensor | None  # (B, K', V) processed q each draft was drawn from; None when every request is greedy
     logprobs: Tensor  # (B, K') selection scores: log q(d), from the unprocessed softmax for greedy requests
+    drafted: Tensor | None = None  # (B,) drafts each request has: K', or fewer where it stopped early (a SPRINTER
+    # block ends at its first draft the verifier rejected; a pruned request's next draft could not be verified)
     verifier_probs: Tensor | None = None  # (B, K') SPRINTER verifier's P(accept) of each draft, when asked for
-    blocks: Tensor | None = None  # (B,) sprinter: drafts up to and including the first the verifier rejected
+
+    def __post_init__(self) -> None:
+        if self.drafted is None:
+            self.drafted = torch.full((self.tokens.shape[0],), self.tokens.shape[1], dtype=torch.int64)
 
 
 @dataclass
@@ -34,6 +40,11 @@ class Scored:
 
     probs: Tensor | None  # (B, K'+1, V) processed p; None when every request is greedy
     argmax: Tensor  # (B, K'+1) int64
+
+
+# (log q of the drafts so far (B, j): -inf past a request's last, which requests are still drafting (B,) bool) ->
+# which of them draft one more token (B,) bool. A policy's rule for not drafting what it will never verify.
+KeepDrafting = Callable[[Tensor, Tensor], Tensor]
 
 
 def ragged_inputs(pending: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
@@ -45,12 +56,13 @@ def ragged_inputs(pending: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
 
 def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[list[int]], k_prime: int,
             sampling: tuple[Tensor, Tensor, Tensor], uniforms: Tensor | None,
-            scorer: DraftScorer | None = None) -> Proposal:
-    """Run the draft K' sequential steps for the whole batch; step 1 also feeds each request's pending tokens.
+            scorer: DraftScorer | None = None, keep_drafting: KeepDrafting | None = None) -> Proposal:
+    """Run the draft up to K' sequential steps for the whole batch; step 1 also feeds each request's pending tokens.
 
     sampling: (temperature, top_k, top_p), each (B,); uniforms (B, K') for the draws, None when all greedy.
     scorer: also score every draft with SPRINTER's verifier; with its `stop_below`, a request stops drafting after its
-    first draft scored below that (SPRINTER blocks) — later steps run only the requests still drafting.
+    first draft scored below that (SPRINTER blocks). keep_drafting: the policy's rule, asked after every step but the
+    last, for which requests draft on. Later steps run only the requests still drafting; none left: drafting ends.
     """
     greedy_all = uniforms is None
     batch = len(pending)
@@ -58,7 +70,7 @@ def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[lis
     logprobs = torch.full((batch, k_prime), -math.inf)
     probs = torch.zeros(batch, k_prime, draft.config.vocab_size) if not greedy_all and k_prime else None
     scores = torch.zeros(batch, k_prime) if scorer is not None else None
-    blocks = torch.full((batch,), k_prime, dtype=torch.int64)
+    drafted = torch.full((batch,), k_prime, dtype=torch.int64)
     rows = torch.arange(batch)  # requests still drafting
     num_new, tokens, last_rows = ragged_inputs(pending)
     for step in range(k_prime):
@@ -86,14 +98,40 @@ def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[lis
             scores[rows, step] = scorer(out.hidden[last_rows], logq, entropy)
             if scorer.stop_below is not None:
                 keep = scores[rows, step] >= scorer.stop_below
-                blocks[rows[~keep]] = step + 1
+        if keep_drafting is not None and step + 1 < k_prime:
+            drafting = torch.zeros(batch, dtype=torch.bool)
+            drafting[rows[keep]] = True
+            keep &= keep_drafting(logprobs[:, :step + 1], drafting)[rows]
+        drafted[rows[~keep]] = step + 1
         rows, token = rows[keep], token[keep]
         if not len(rows):
             break
         # The next step feeds the token just drafted: one new token per request still drafting.
         num_new, tokens, last_rows = torch.ones(len(rows), dtype=torch.int64), token, torch.arange(len(rows))
-    stopping = scorer is not None and scorer.stop_below is not None
-    return Proposal(tokens_out, probs, logprobs, scores, blocks if stopping else None)
+    return Proposal(tokens_out, probs, logprobs, drafted, scores)
+
+
+def replay_drafting(keep_drafting: KeepDrafting, logprobs: Tensor) -> Tensor:
+    """How many of these drafts (B, K') each request would have made had `propose` asked `keep_drafting` as it went.
+    (B,) int64. The simulator replays pruned drafting on recorded steps with it; tests compare with drafting all."""
+    batch, k_prime = logprobs.shape
+    drafted = torch.full((batch,), k_prime, dtype=torch.int64)
+    drafting = torch.ones(batch, dtype=torch.bool)
+    seen = torch.full_like(logprobs, -math.inf)
+    for step in range(k_prime - 1):
+        seen[drafting, step] = logprobs[drafting, step]
+        keep = drafting & keep_drafting(seen[:, :step + 1], drafting)
+        drafted[drafting & ~keep] = step + 1
+        drafting = keep
+        if not drafting.any():
+            break
+    return drafted
+
+
+def undrafted(logprobs: Tensor, drafted: Tensor) -> Tensor:
+    """The log-probs with -inf past each request's `drafted` drafts (what `propose` returns for them)."""
+    positions = torch.arange(logprobs.shape[1])[None, :]
+    return torch.where(positions < drafted[:, None], logprobs, torch.full_like(logprobs, -math.inf))
 
 
 def score(target: Transformer, cache: KVCache, slots: Tensor, last: Tensor, proposal: Proposal, windows: Tensor,

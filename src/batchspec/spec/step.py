@@ -72,13 +72,16 @@ def run(policy: Policy, plan: Plan, models: SpecModels, inputs: StepInputs, stat
     Model time and calls go into `stats` as each model runs (a trace snapshot taken mid-step sees them as before);
     `measure`: also run the untimed oracle pass (true acceptance a) and hand it to `on_measured`.
     """
-    batch, k_prime = len(inputs.draft_pending), plan.k_prime
+    k_prime = plan.k_prime
+    # A measured step drafts everything: the oracle and a recorded trace need every draft (pruning is exact, so the
+    # policy's windows are the same either way).
+    keep_drafting = None if measure else policy.drafting_rule(plan, len(inputs.draft_pending))
     started = time.perf_counter()
     proposal = propose(models.draft, models.draft_cache, inputs.slots, inputs.draft_pending, k_prime,
                        inputs.sampling, None if inputs.draws is None else inputs.draws[:, :k_prime],
-                       scorer=policy.draft_scorer())
+                       scorer=policy.draft_scorer(), keep_drafting=keep_drafting)
     stats.draft_s += time.perf_counter() - started
-    drafted = proposal.blocks.tolist() if proposal.blocks is not None else [k_prime] * batch
+    drafted = proposal.drafted.tolist()
     stats.draft_tokens += sum(drafted)
 
     accept_probs = None

@@ -4,7 +4,8 @@ A step of the engine (and of the simulator) asks its policy, in order:
 1. `plan(batch_size, step_time)` -> `Plan`: sd's window k, how many tokens K' the draft proposes per request
    (0: a plain decoding step, the draft does not run) and the verification capacity C;
 2. `draft_scorer()`: a SPRINTER verifier to score every draft while drafting (and to stop a request's drafting), or
-   None;
+   None; `drafting_rule(plan, batch_size)`: which requests draft on after each draft pass (Tetris stops a request
+   once none of its later drafts could be verified), or None;
 3. `select(plan, proposal, accept_probs)` -> windows `l` of shape (B,), int64, each in [0, K'], sum(l) <= C: the
    target scores l[i] + 1 positions of request i (drafts plus bonus/correction). Only draft-side information may
    choose `l` in a real run (so verification stays lossless whatever it picks); the oracle's true acceptance
@@ -29,7 +30,7 @@ from batchspec.errors import BatchspecError
 
 if TYPE_CHECKING:
     from batchspec.spec.config import SpecConfig
-    from batchspec.spec.proposal import Proposal
+    from batchspec.spec.proposal import KeepDrafting, Proposal
     from batchspec.spec.verifier import DraftScorer, Verifier
 
 StepTime = Callable[[int, int], float]  # T(B, k): seconds of one speculative step (dsd's goodput model)
@@ -88,6 +89,10 @@ class Policy:
         return Plan(k, k_prime, min(self.spec.capacity_for(batch_size), batch_size * k_prime))
 
     def draft_scorer(self) -> DraftScorer | None:
+        return None
+
+    def drafting_rule(self, plan: Plan, batch_size: int) -> KeepDrafting | None:
+        """Which requests draft on after each draft pass (None: all of them, K' tokens)."""
         return None
 
     def select(self, plan: Plan, proposal: Proposal, accept_probs: Tensor | None = None) -> Tensor:

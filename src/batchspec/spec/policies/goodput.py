@@ -54,6 +54,28 @@ def goodput_windows(survival: np.ndarray, seconds: Seconds) -> np.ndarray:
     return np.bincount(order[:capacity] // k_prime, minlength=batch_size)
 
 
+def smallest_step(seconds: Seconds, most_drafts: int) -> float:
+    """min over C = 1..most_drafts of T(C) - T(C - 1): the least time one more verified draft can add."""
+    steps = np.diff(seconds(np.arange(most_drafts + 1)))
+    return float(steps.min()) if len(steps) else 0.0
+
+
+def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, seconds: Seconds, step: float) -> np.ndarray:
+    """Which of the requests still drafting may yet have a draft that `goodput_windows` verifies. (B,) bool.
+
+    survival (B, j): every draft so far, 0 past the end of a request that stopped; `step`: `smallest_step` of the
+    step's T over C = 1..B*K'. The last draft the goodput-best C* verifies adds at least the step's rate times the time
+    it adds (else C* - 1 would be better): its survival is >= R* (T(C*) - T(C* - 1)) >= R_known * step, where
+    R_known, the best rate of the drafts so far alone, is <= R* (more drafts only raise the sorted survivals). Request
+    i's later drafts survive at most as much as its current one; below that bound none of them can be verified, and it
+    stops. A staircase T (steps of 0) keeps every request drafting: verification is free until the next step up.
+    """
+    if step <= 0.0:
+        return drafting
+    bound = float(capacity_rates(survival, seconds).max()) * step * (1.0 - 1e-9)  # a margin for rounding
+    return drafting & (survival[:, -1] >= bound)
+
+
 def best_draft_length(expected_survival: np.ndarray, batch_size: int, step_time) -> int:
     """K' in 0..len(expected_survival) with the most expected tokens per second, every request predicted to survive
     position j with expected_survival[j] (then C is chosen as `goodput_capacity` would)."""
@@ -82,10 +104,15 @@ class Goodput:
         self._wait = self.explore_after
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
 
+    def _survival(self, logprobs: np.ndarray, bins: np.ndarray) -> np.ndarray:
+        rates = self.calibration.rates[bins]  # (B, K'), a copy
+        rates[np.isneginf(logprobs)] = 0.0  # not drafted (the request stopped early): survives nothing
+        return np.cumprod(rates, axis=1)
+
     def survival(self, logprobs: np.ndarray) -> np.ndarray:
         """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position for `draft_length`."""
         self._last = (logprobs, bin_of(np.exp(logprobs)))  # for `observe`, which sees the same drafts
-        survival = np.cumprod(self.calibration.rates[self._last[1]], axis=1)
+        survival = self._survival(logprobs, self._last[1])
         mean = survival.mean(axis=0)  # (K',)
         if self.expected_survival is None:
             self.expected_survival = np.zeros(self.max_draft)
@@ -94,6 +121,10 @@ class Goodput:
             head = self.expected_survival[:len(mean)]
             self.expected_survival[:len(mean)] = self.decay * head + (1.0 - self.decay) * mean
         return survival
+
+    def keep_drafting(self, logprobs: np.ndarray, drafting: np.ndarray, seconds: Seconds, step: float) -> np.ndarray:
+        """`goodput_keep_drafting` on the drafts so far (B, j), as `survival` will estimate them."""
+        return goodput_keep_drafting(self._survival(logprobs, bin_of(np.exp(logprobs))), drafting, seconds, step)
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
         same = self._last is not None and np.array_equal(self._last[0], logprobs)  # the drafts `survival` saw

@@ -40,7 +40,7 @@ class SprinterPolicy(Policy):
         return DraftScorer(self.verifier, stop_below=tau)
 
     def select(self, plan: Plan, proposal, accept_probs: Tensor | None = None) -> Tensor:
-        return proposal.blocks  # each block ends at its first rejected draft (or at L)
+        return proposal.drafted  # each block ends at its first rejected draft (or at L)
 
     def trusted(self, windows: Tensor) -> Tensor:
         return (windows - 1).clamp(min=0)  # the target tests only each block's last draft

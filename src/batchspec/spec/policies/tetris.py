@@ -22,7 +22,8 @@ from torch import Tensor
 
 from batchspec.errors import BatchspecError
 from batchspec.spec.policies.base import Plan, Policy, sd_windows
-from batchspec.spec.policies.goodput import Goodput, goodput_windows, step_seconds
+from batchspec.spec.policies.goodput import Goodput, goodput_windows, smallest_step, step_seconds
+from batchspec.spec.proposal import KeepDrafting
 from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
 
 
@@ -63,15 +64,40 @@ def tetris_windows(draft_logprobs: Tensor, capacity: int) -> Tensor:
         batch_size, k_prime = draft_logprobs.shape
         if not 0 < capacity < batch_size * k_prime:
             return _top_capacity_windows(draft_logprobs, capacity)  # all or nothing: no ranking needed
-        # The same in numpy, on costs -log q, in as few calls as possible (each is ~1 us, the whole ~20 us at
-        # B=64, K'=8): fmin maps NaN to inf (ranked last, like -inf log q), maximum clamps -log q at 0, and
-        # float64 partial sums of float32 values cannot overflow.
-        costs = np.negative(draft_logprobs.numpy())
-        np.fmin(costs, np.inf, out=costs)
-        np.maximum(costs, 0.0, out=costs)
-        return torch.from_numpy(_top_rows_ascending(costs.cumsum(axis=1, dtype=np.float64), capacity))
+        return torch.from_numpy(_top_rows_ascending(_cumulative_costs(draft_logprobs.numpy()), capacity))
     logprobs = torch.nan_to_num(draft_logprobs, nan=-math.inf).clamp(max=0.0)  # (B, K')
     return _top_capacity_windows(torch.cumsum(logprobs, dim=1), capacity)
+
+
+def _cumulative_costs(logprobs: np.ndarray) -> np.ndarray:
+    """-s[i, j] = -sum_{t<=j} log q[i, t] (B, K') float64, non-decreasing along K'.
+
+    The numpy form of Tetris's scores, in as few calls as possible (each is ~1 us, the whole ~20 us at B=64, K'=8):
+    fmin maps NaN to inf (ranked last, like -inf log q), maximum clamps -log q at 0 (rounding cannot break the order
+    along K'), and float64 partial sums of float32 values cannot overflow. A prefix of the columns gives the same
+    partial sums, so pruned drafting (`tetris_keep_drafting`) sees the values the final selection will.
+    """
+    costs = np.negative(logprobs)
+    np.fmin(costs, np.inf, out=costs)
+    np.maximum(costs, 0.0, out=costs)
+    return costs.cumsum(axis=1, dtype=np.float64)
+
+
+def tetris_keep_drafting(logprobs: np.ndarray, drafting: np.ndarray, capacity: int) -> np.ndarray:
+    """Fixed C: which of the requests still drafting may yet have a draft among the final top-C. (B,) bool.
+
+    logprobs (B, j): every draft so far, -inf past the end of a request that stopped. Request i's later drafts score
+    at most its current s[i, j-1]; when that is below the C-th best score already drafted, at least C drafts will
+    outrank every one of them, so none can be verified: request i stops drafting. The final windows are then exactly
+    those of drafting everything (tests/test_tetris.py checks this on recorded steps).
+    """
+    costs = _cumulative_costs(logprobs)  # (B, j)
+    if capacity <= 0:
+        return np.zeros_like(drafting)
+    if capacity > costs.size:
+        return drafting  # fewer drafts than capacity: every one is verified
+    threshold = np.partition(costs, capacity - 1, axis=None)[capacity - 1]  # the C-th smallest cost
+    return drafting & (costs[:, -1] <= threshold)
 
 
 def oracle_windows(accept_probs: Tensor, capacity: int) -> Tensor:
@@ -135,6 +161,23 @@ class TetrisPolicy(Policy):
 
     def draft_scorer(self) -> DraftScorer | None:
         return DraftScorer(self.verifier) if self.spec.tetris_scores == "verifier" else None
+
+    def drafting_rule(self, plan: Plan, batch_size: int) -> KeepDrafting | None:
+        """Pruned drafting: a request stops drafting once none of its later drafts could be verified."""
+        if not self.spec.prune_drafts or plan.k_prime < 2 or not self._on(batch_size):
+            return None
+        if self.spec.tetris_scores == "verifier":
+            return None  # its scores are not the log q seen while drafting
+        if not self.auto:
+            def keep_fixed(logprobs: Tensor, drafting: Tensor) -> Tensor:
+                return torch.from_numpy(tetris_keep_drafting(logprobs.numpy(), drafting.numpy(), plan.capacity))
+            return keep_fixed
+        seconds = step_seconds(plan.step_time, batch_size, plan.k_prime)  # as `select` will time the step
+        step = smallest_step(seconds, batch_size * plan.k_prime)
+
+        def keep_goodput(logprobs: Tensor, drafting: Tensor) -> Tensor:
+            return torch.from_numpy(self.goodput.keep_drafting(logprobs.numpy(), drafting.numpy(), seconds, step))
+        return keep_goodput
 
     def select(self, plan: Plan, proposal, accept_probs: Tensor | None = None) -> Tensor:
         batch_size, k_prime = proposal.logprobs.shape
