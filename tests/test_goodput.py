@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchspec.spec.calibration import EDGES, AcceptanceCalibration
+from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
 from batchspec.spec.policies.goodput import (Goodput, best_draft_length, goodput_capacity, goodput_windows,
                                              smallest_step)
 from batchspec.spec.policies.tetris import _top_capacity_windows
@@ -40,8 +40,9 @@ def test_goodput_capacity_equals_brute_force(batch, width, seed, per_row, step_r
     def seconds(capacity):
         return 0.2 + table(batch + capacity)
 
-    capacity = goodput_capacity(survival, seconds)
-    windows = goodput_windows(survival, seconds)
+    times = seconds(np.arange(batch * width + 1))
+    capacity = goodput_capacity(survival, times)
+    windows = goodput_windows(survival, times)
     assert windows.sum() == capacity
     assert windows.tolist() == _top_capacity_windows(torch.from_numpy(survival), capacity).tolist()
     rate = (batch + sum(survival[i, :w].sum() for i, w in enumerate(windows))) / float(seconds(np.array([capacity]))[0])
@@ -50,20 +51,21 @@ def test_goodput_capacity_equals_brute_force(batch, width, seed, per_row, step_r
 
 def test_free_verification_takes_everything_and_costly_takes_nothing():
     survival = np.cumprod(np.full((2, 3), 0.9), axis=1)
-    assert goodput_capacity(survival, lambda c: np.ones_like(c, dtype=float)) == 6  # every draft adds tokens
-    assert goodput_capacity(survival, lambda c: 1.0 + 10.0 * c) == 0  # a plain decoding step
+    assert goodput_capacity(survival, np.ones(7)) == 6  # every draft adds tokens
+    assert goodput_capacity(survival, 1.0 + 10.0 * np.arange(7)) == 0  # a plain decoding step
 
 
 def test_calibration_starts_at_the_prior_and_is_monotone():
     calibration = AcceptanceCalibration()
-    q = np.linspace(0.0, 1.0, 101)
+    with np.errstate(divide="ignore"):
+        q = np.log(np.linspace(0.0, 1.0, 101))  # log q, as drafts carry it
     before = calibration.estimate(q)
     assert np.all(np.diff(before) >= 0) and before[0] < 0.05 and before[-1] > 0.95
     rng = np.random.default_rng(0)
     for _ in range(50):  # outcomes that contradict the ordering: low q accepted more than high q
         drafts = rng.uniform(0.0, 1.0, (8, 4))
         accepted = (rng.uniform(size=8) < 0.5).astype(int) * 4
-        calibration.update(drafts[:, ::-1], np.full(8, 4), accepted)
+        calibration.update(bin_of(np.log(drafts[:, ::-1])), np.full(8, 4), accepted)
     assert np.all(np.diff(calibration.estimate(q)) >= -1e-12)
 
 
@@ -77,15 +79,16 @@ def test_calibration_converges_to_the_true_rate(rate, seed):
         q = np.full((16, 3), 0.9)
         passes = rng.uniform(size=(16, 3)) < rate
         accepted = np.cumprod(passes, axis=1).sum(axis=1)  # drafts accepted before the first rejection
-        calibration.update(q, np.full(16, 3), accepted)
-    assert abs(float(calibration.estimate(np.array([0.9]))[0]) - rate) < 0.05
+        calibration.update(bin_of(np.log(q)), np.full(16, 3), accepted)
+    assert abs(float(calibration.estimate(np.log([0.9]))[0]) - rate) < 0.05
 
 
 def test_only_reached_drafts_count():
     calibration = AcceptanceCalibration()
-    calibration.update(np.array([[0.5, 0.5, 0.5]]), np.array([3]), np.array([0]))  # the first rejected
+    half = bin_of(np.log(np.array([[0.5, 0.5, 0.5]])))
+    calibration.update(half, np.array([3]), np.array([0]))  # the first rejected
     assert calibration.reached.sum() == 1 and calibration.accepted.sum() == 0
-    calibration.update(np.array([[0.5, 0.5, 0.5]]), np.array([2]), np.array([2]))  # window 2, both accepted
+    calibration.update(half, np.array([2]), np.array([2]))  # window 2, both accepted
     assert calibration.reached.sum() == 3 and calibration.accepted.sum() == 2
     assert len(calibration.reached) == len(EDGES) - 1
 
@@ -132,15 +135,23 @@ def test_pruned_drafting_keeps_every_draft_goodput_verifies(batch, width, seed, 
     def seconds(capacity):
         return drafting_s + table(batch + capacity)
 
-    step = smallest_step(seconds, batch * width)
+    times = seconds(np.arange(batch * width + 1))
+    step = smallest_step(times)
 
     def rule(so_far, drafting):
-        return torch.from_numpy(goodput.keep_drafting(so_far.numpy(), drafting.numpy(), seconds, step))
+        return torch.from_numpy(goodput.keep_drafting(so_far.numpy(), drafting.numpy(), times, step))
 
     drafted = replay_drafting(rule, logprobs)
-    pruned = goodput_windows(goodput.survival(undrafted(logprobs, drafted).numpy()), seconds)
-    full = goodput_windows(goodput.survival(logprobs.numpy()), seconds)
+    pruned = goodput_windows(goodput.survival(undrafted(logprobs, drafted).numpy()), times)
+    full = goodput_windows(goodput.survival(logprobs.numpy()), times)
     assert pruned.tolist() == full.tolist()
     assert np.all(pruned <= drafted.numpy())
     if step_rows > 1 or per_row == 0.0:
         assert step == 0.0 and drafted.tolist() == [width] * batch  # free verification somewhere: no pruning
+
+
+def test_bins_on_log_q_match_the_edges():
+    q = np.array([0.0, 0.01, 0.05, 0.5, 0.97, 0.995, 1.0, np.nan])
+    with np.errstate(divide="ignore"):
+        bins = bin_of(np.log(q))
+    assert bins.tolist() == [0, 1, 1, 6, 12, 13, 14, 0]  # 0: no draft (q = 0, NaN); at an edge, the bin below it

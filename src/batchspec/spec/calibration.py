@@ -18,6 +18,9 @@ import numpy as np
 
 # Bin edges over q: finer near 1, where a good draft's proposals concentrate and survival compounds.
 EDGES = np.array([0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995, 1.0])
+with np.errstate(divide="ignore"):
+    _LOG_EDGES = np.log(EDGES[:-1])  # -inf, then the inner edges: bins are found on log q directly, no exp per draft
+_MIDDLES = ((EDGES[:-1] + EDGES[1:]) / 2).tolist()  # the prior's rate in each bin
 
 
 @dataclass
@@ -26,50 +29,52 @@ class AcceptanceCalibration:
     reached: np.ndarray = field(default_factory=lambda: np.zeros(len(EDGES) - 1))  # (bins,)
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(len(EDGES) - 1))  # (bins,)
 
-    def update(self, q: np.ndarray, windows: np.ndarray, accepted: np.ndarray, bins: np.ndarray | None = None) -> None:
-        """Count one verification: q (B, K') draft probabilities, windows l (B,), accepted drafts (B,); `bins`: q's
-        bins when the caller has them already (`bin_of`).
+    def update(self, bins: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
+        """Count one verification: the bins of its drafts (B, K') (`bin_of`), windows l (B,), accepted drafts (B,).
 
         Draft j (0-based) of request i was reached iff j < min(l_i, accepted_i + 1): every draft before it passed.
         Only reached drafts say anything about P(accept | q): the others were never tested on their own.
         """
-        positions = np.arange(q.shape[1])[None, :]  # (1, K')
+        positions = np.arange(bins.shape[1])[None, :]  # (1, K')
         reached = positions < np.minimum(windows, accepted + 1)[:, None]  # (B, K')
         passed = positions < accepted[:, None]  # (B, K'), a subset of reached (accepted <= l)
-        bins = bin_of(q) if bins is None else bins
-        self.reached += np.bincount(bins[reached], minlength=len(self.reached))
-        self.accepted += np.bincount(bins[passed], minlength=len(self.accepted))
+        size = len(self.reached) + 1  # bin 0 (not a draft) is counted, then dropped
+        self.reached += np.bincount(bins[reached], minlength=size)[1:]
+        self.accepted += np.bincount(bins[passed], minlength=size)[1:]
         self.__dict__.pop("rates", None)  # recomputed on the next estimate
 
     @cached_property
     def rates(self) -> np.ndarray:
-        """(bins,) P(accept) per bin of q: posterior means, non-decreasing in q."""
-        middle = (EDGES[:-1] + EDGES[1:]) / 2
-        rates = (self.accepted + self.prior_strength * middle) / (self.reached + self.prior_strength)
-        return _isotonic(rates, self.reached + self.prior_strength)
+        """(1 + bins,) P(accept) by `bin_of`: 0 for bin 0 (not a draft), then posterior means, non-decreasing in q.
 
-    def estimate(self, q: np.ndarray) -> np.ndarray:
-        """P(accept) of each draft, q of any shape -> the same shape, in [0, 1]."""
-        return self.rates[bin_of(q)]
+        Recomputed after every update, so on 14 plain floats (numpy's per-call cost would dominate)."""
+        strength = self.prior_strength
+        weights = [reached + strength for reached in self.reached.tolist()]
+        means = [(accepted + strength * middle) / weight
+                 for accepted, middle, weight in zip(self.accepted.tolist(), _MIDDLES, weights)]
+        return np.array([0.0, *_isotonic(means, weights)])
 
-
-def bin_of(q: np.ndarray) -> np.ndarray:
-    """Bin index of each q (NaN and q <= 0 go to the first bin, q >= 1 to the last)."""
-    # NaN sorts after every edge in searchsorted: map it to 0 first.
-    q = np.where(np.isnan(q), 0.0, q)
-    return np.clip(np.searchsorted(EDGES, q, side="right") - 1, 0, len(EDGES) - 2)
+    def estimate(self, logq: np.ndarray) -> np.ndarray:
+        """P(accept) of each draft by its log q, of any shape -> the same shape, in [0, 1]."""
+        return self.rates[bin_of(logq)]
 
 
-def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Weighted least-squares non-decreasing fit (pool adjacent violators). (n,) -> (n,)."""
-    if np.all(np.diff(values) >= 0):  # the usual case once data agrees with q: nothing to pool
+def bin_of(logq: np.ndarray) -> np.ndarray:
+    """1 + the bin of each draft's q, by its log q; 0 for no draft (log q = -inf, or NaN). q on an edge belongs to the
+    bin below it; log q >= 0 goes to the last bin."""
+    return np.searchsorted(_LOG_EDGES, np.fmax(logq, -np.inf), side="left")  # fmax: NaN -> -inf
+
+
+def _isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
+    if all(low <= high for low, high in zip(values, values[1:])):  # the usual case once data agrees with q
         return values
     blocks: list[list[float]] = []  # [weighted mean, weight, count]
-    for value, weight in zip(values.tolist(), weights.tolist()):
+    for value, weight in zip(values, weights):
         blocks.append([value, weight, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             mean2, weight2, count2 = blocks.pop()
             mean1, weight1, count1 = blocks.pop()
             total = weight1 + weight2
             blocks.append([(mean1 * weight1 + mean2 * weight2) / total, total, count1 + count2])
-    return np.array([mean for mean, _, count in blocks for _ in range(count)])
+    return [mean for mean, _, count in blocks for _ in range(count)]

@@ -10,69 +10,69 @@ draft j of request i = prod_{t<=j} P(accept | q[i, t]), the calibrated acceptanc
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from batchspec.spec.calibration import AcceptanceCalibration, bin_of
 
-Seconds = Callable[[np.ndarray], np.ndarray]  # capacities C -> seconds of the step verifying C drafts
 
-
-def step_seconds(step_time, batch_size: int, k_prime: int) -> Seconds:
-    """The whole step's time as a function of C: K' draft passes over B rows, one target pass over B + C rows."""
+def step_times(step_time, batch_size: int, k_prime: int) -> np.ndarray:
+    """(B*K' + 1,) seconds of the whole step verifying C = 0, 1, ..., B*K' drafts: K' draft passes over B rows and one
+    target pass over B + C rows. Computed once per (B, K'); every choice below reads it."""
     drafting = step_time.draft_s(batch_size, k_prime) if k_prime else 0.0
-    return lambda capacity: drafting + step_time.target_s(batch_size + capacity)
+    return drafting + np.asarray(step_time.target_s(batch_size + np.arange(batch_size * k_prime + 1)), dtype=float)
 
 
-def capacity_rates(survival: np.ndarray, seconds: Seconds) -> np.ndarray:
+def capacity_rates(survival: np.ndarray, times: np.ndarray) -> np.ndarray:
     """(B*K' + 1,) expected tokens per second when the target verifies the top-C drafts, C = 0, 1, ..., B*K'.
 
     survival (B, K'), non-increasing along K' (so the top-C set is prefix-closed per request); every request emits
-    one token more than its accepted drafts, hence B.
+    one token more than its accepted drafts, hence B. times: `step_times` (at least B*K' + 1 of them).
     """
     ranked = np.sort(survival, axis=None)[::-1]  # (B*K',)
     expected = survival.shape[0] + np.concatenate([[0.0], np.cumsum(ranked)])
-    return expected / seconds(np.arange(len(expected)))
+    return expected / times[:len(expected)]
 
 
-def goodput_capacity(survival: np.ndarray, seconds: Seconds) -> int:
+def goodput_capacity(survival: np.ndarray, times: np.ndarray) -> int:
     """The C with the most expected tokens per second (the smallest on ties; 0 = verify nothing)."""
-    return int(np.argmax(capacity_rates(survival, seconds)))
+    return int(np.argmax(capacity_rates(survival, times)))
 
 
-def goodput_windows(survival: np.ndarray, seconds: Seconds) -> np.ndarray:
+def goodput_windows(survival: np.ndarray, times: np.ndarray) -> np.ndarray:
     """Windows (B,) of the top-C drafts by survival at the goodput-best C: one stable sort serves both.
 
     A stable sort of -survival in row-major order keeps each row's positions in order (survival is non-increasing
     along K'), so every prefix of it is prefix-closed per request, also under ties.
     """
     batch_size, k_prime = survival.shape
-    order = np.argsort(-survival, axis=None, kind="stable")  # (B*K',)
-    expected = batch_size + np.concatenate([[0.0], np.cumsum(survival.reshape(-1)[order])])
-    capacity = int(np.argmax(expected / seconds(np.arange(len(expected)))))
+    flat = survival.reshape(-1)
+    order = np.argsort(-flat, kind="stable")  # (B*K',)
+    expected = np.cumsum(flat[order])
+    expected += batch_size
+    rates = expected / times[1:len(order) + 1]  # C = 1, ..., B*K'
+    best = int(np.argmax(rates))
+    capacity = best + 1 if rates[best] > batch_size / times[0] else 0  # C = 0 wins ties, as in `goodput_capacity`
     return np.bincount(order[:capacity] // k_prime, minlength=batch_size)
 
 
-def smallest_step(seconds: Seconds, most_drafts: int) -> float:
-    """min over C = 1..most_drafts of T(C) - T(C - 1): the least time one more verified draft can add."""
-    steps = np.diff(seconds(np.arange(most_drafts + 1)))
-    return float(steps.min()) if len(steps) else 0.0
+def smallest_step(times: np.ndarray) -> float:
+    """min over C of T(C) - T(C - 1): the least time one more verified draft can add (0 with a staircase)."""
+    return float(np.diff(times).min()) if len(times) > 1 else 0.0
 
 
-def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, seconds: Seconds, step: float) -> np.ndarray:
+def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.ndarray, step: float) -> np.ndarray:
     """Which of the requests still drafting may yet have a draft that `goodput_windows` verifies. (B,) bool.
 
-    survival (B, j): every draft so far, 0 past the end of a request that stopped; `step`: `smallest_step` of the
-    step's T over C = 1..B*K'. The last draft the goodput-best C* verifies adds at least the step's rate times the time
-    it adds (else C* - 1 would be better): its survival is >= R* (T(C*) - T(C* - 1)) >= R_known * step, where
+    survival (B, j): every draft so far, 0 past the end of a request that stopped; times: the step's `step_times`;
+    step: their `smallest_step`. The last draft the goodput-best C* verifies adds at least the step's rate times the
+    time it adds (else C* - 1 would be better): its survival is >= R* (T(C*) - T(C* - 1)) >= R_known * step, where
     R_known, the best rate of the drafts so far alone, is <= R* (more drafts only raise the sorted survivals). Request
     i's later drafts survive at most as much as its current one; below that bound none of them can be verified, and it
     stops. A staircase T (steps of 0) keeps every request drafting: verification is free until the next step up.
     """
     if step <= 0.0:
         return drafting
-    bound = float(capacity_rates(survival, seconds).max()) * step * (1.0 - 1e-9)  # a margin for rounding
+    bound = float(capacity_rates(survival, times).max()) * step * (1.0 - 1e-9)  # a margin for rounding
     return drafting & (survival[:, -1] >= bound)
 
 
@@ -80,10 +80,10 @@ def best_draft_length(expected_survival: np.ndarray, batch_size: int, step_time)
     """K' in 0..len(expected_survival) with the most expected tokens per second, every request predicted to survive
     position j with expected_survival[j] (then C is chosen as `goodput_capacity` would)."""
     best_k = 0
-    best_rate = batch_size / float(step_seconds(step_time, batch_size, 0)(np.array([0]))[0])
+    best_rate = batch_size / float(step_times(step_time, batch_size, 0)[0])
     for k_prime in range(1, len(expected_survival) + 1):
         rows = np.tile(expected_survival[:k_prime], (batch_size, 1))  # (B, K')
-        rate = float(capacity_rates(rows, step_seconds(step_time, batch_size, k_prime)).max())
+        rate = float(capacity_rates(rows, step_times(step_time, batch_size, k_prime)).max())
         if rate > best_rate:
             best_k, best_rate = k_prime, rate
     return best_k
@@ -104,32 +104,30 @@ class Goodput:
         self._wait = self.explore_after
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
 
-    def _survival(self, logprobs: np.ndarray, bins: np.ndarray) -> np.ndarray:
-        rates = self.calibration.rates[bins]  # (B, K'), a copy
-        rates[np.isneginf(logprobs)] = 0.0  # not drafted (the request stopped early): survives nothing
-        return np.cumprod(rates, axis=1)
+    def _survival(self, bins: np.ndarray) -> np.ndarray:
+        # Bin 0 (-inf: not drafted, the request stopped early) has rate 0: survives nothing.
+        return np.cumprod(self.calibration.rates[bins], axis=1)
 
     def survival(self, logprobs: np.ndarray) -> np.ndarray:
         """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position for `draft_length`."""
-        self._last = (logprobs, bin_of(np.exp(logprobs)))  # for `observe`, which sees the same drafts
-        survival = self._survival(logprobs, self._last[1])
+        self._last = (logprobs, bin_of(logprobs))  # for `observe`, which sees the same drafts
+        survival = self._survival(self._last[1])
         mean = survival.mean(axis=0)  # (K',)
         if self.expected_survival is None:
             self.expected_survival = np.zeros(self.max_draft)
             self.expected_survival[:len(mean)] = mean
         else:
-            head = self.expected_survival[:len(mean)]
-            self.expected_survival[:len(mean)] = self.decay * head + (1.0 - self.decay) * mean
+            head = self.expected_survival[:len(mean)]  # a view: updated in place
+            head += (1.0 - self.decay) * (mean - head)
         return survival
 
-    def keep_drafting(self, logprobs: np.ndarray, drafting: np.ndarray, seconds: Seconds, step: float) -> np.ndarray:
+    def keep_drafting(self, logprobs: np.ndarray, drafting: np.ndarray, times: np.ndarray, step: float) -> np.ndarray:
         """`goodput_keep_drafting` on the drafts so far (B, j), as `survival` will estimate them."""
-        return goodput_keep_drafting(self._survival(logprobs, bin_of(np.exp(logprobs))), drafting, seconds, step)
+        return goodput_keep_drafting(self._survival(bin_of(logprobs)), drafting, times, step)
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
         same = self._last is not None and np.array_equal(self._last[0], logprobs)  # the drafts `survival` saw
-        bins = self._last[1] if same else None
-        self.calibration.update(np.exp(logprobs), windows, accepted, bins)
+        self.calibration.update(self._last[1] if same else bin_of(logprobs), windows, accepted)
 
     def draft_length(self, batch_size: int, step_time) -> int:
         """K' for the next step: the whole cap until a step has been seen, then the best predicted one; after a run

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from batchspec.errors import BatchspecError
 from batchspec.spec.policies.base import Plan, Policy, sd_windows
-from batchspec.spec.policies.goodput import Goodput, goodput_windows, smallest_step, step_seconds
+from batchspec.spec.policies.goodput import Goodput, goodput_windows, smallest_step, step_times
 from batchspec.spec.proposal import KeepDrafting
 from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
 
@@ -134,6 +134,7 @@ class TetrisPolicy(Policy):
         self.auto = spec.capacity == "auto"  # K' and C chosen per step for goodput, on calibrated acceptance
         self.needs_step_time = self.needs_row_times = self.auto
         self.goodput = Goodput(spec.k + spec.extra) if self.auto else None  # what it has learned so far
+        self._times = None  # (cost model, (B, K'), step times, smallest step) of the last step seen
 
     @classmethod
     def validate(cls, spec, batch_size: int) -> None:
@@ -172,12 +173,19 @@ class TetrisPolicy(Policy):
             def keep_fixed(logprobs: Tensor, drafting: Tensor) -> Tensor:
                 return torch.from_numpy(tetris_keep_drafting(logprobs.numpy(), drafting.numpy(), plan.capacity))
             return keep_fixed
-        seconds = step_seconds(plan.step_time, batch_size, plan.k_prime)  # as `select` will time the step
-        step = smallest_step(seconds, batch_size * plan.k_prime)
+        times, step = self._step_times(plan, batch_size)  # as `select` will time the step
 
         def keep_goodput(logprobs: Tensor, drafting: Tensor) -> Tensor:
-            return torch.from_numpy(self.goodput.keep_drafting(logprobs.numpy(), drafting.numpy(), seconds, step))
+            return torch.from_numpy(self.goodput.keep_drafting(logprobs.numpy(), drafting.numpy(), times, step))
         return keep_goodput
+
+    def _step_times(self, plan: Plan, batch_size: int) -> tuple[np.ndarray, float]:
+        """The step's `step_times` for every C and their smallest step, kept while (cost model, B, K') repeat."""
+        shape = (batch_size, plan.k_prime)
+        if self._times is None or self._times[0] is not plan.step_time or self._times[1] != shape:
+            times = step_times(plan.step_time, batch_size, plan.k_prime)
+            self._times = plan.step_time, shape, times, smallest_step(times)
+        return self._times[2], self._times[3]
 
     def select(self, plan: Plan, proposal, accept_probs: Tensor | None = None) -> Tensor:
         batch_size, k_prime = proposal.logprobs.shape
@@ -185,7 +193,7 @@ class TetrisPolicy(Policy):
             return sd_windows(batch_size, plan.k, k_prime, device=proposal.logprobs.device)
         if self.auto:
             survival = self.goodput.survival(proposal.logprobs.numpy())  # (B, K')
-            return torch.from_numpy(goodput_windows(survival, step_seconds(plan.step_time, batch_size, k_prime)))
+            return torch.from_numpy(goodput_windows(survival, self._step_times(plan, batch_size)[0]))
         # Calibrated (class balancing undone) verifier probabilities rank like acceptance probabilities.
         scores = (calibrated_log_probs(self.verifier, proposal.verifier_probs) if self.spec.tetris_scores == "verifier"
                   else proposal.logprobs)
