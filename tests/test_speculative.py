@@ -42,14 +42,16 @@ def ar_outputs(default_model):
     return [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=20), chat=True)]
 
 
-@pytest.mark.parametrize("policy", ["sd", "dsd", "tetris", "oracle", "tetris-auto", "tetris-pruned"])
+@pytest.mark.parametrize("policy", ["sd", "dsd", "tetris", "oracle", "tetris-auto", "tetris-pruned",
+                                    "tetris-calibrated"])
 def test_greedy_output_equals_ar(default_model, noisy_draft, ar_outputs, policy):
     # Batch 3 < 4 prompts: a request also joins mid-run; extra=3 gives Tetris real choices.
     # auto: C chosen per step from calibrated acceptance; pruned: C = B binds, so requests stop drafting early (a
     # measured step drafts everything, so the oracle-measured tetris run does not prune).
     capacity = {"tetris-auto": "auto", "tetris-pruned": 3}.get(policy)
-    policy = policy.removesuffix("-auto").removesuffix("-pruned")
-    spec = SpecConfig(policy=policy, k=3, extra=3, k_max=5, capacity=capacity,
+    scores = "calibrated" if policy == "tetris-calibrated" else "q"  # top-C survival on learned acceptance
+    policy = policy.split("-")[0]
+    spec = SpecConfig(policy=policy, k=3, extra=3, k_max=5, capacity=capacity, tetris_scores=scores,
                       measure_oracle=policy in ("tetris", "oracle") and capacity is None)
     engine = Engine(default_model, noisy_draft, spec, max_batch_size=3, step_time=CHEAP_STEPS)
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=20), chat=True)
@@ -151,6 +153,19 @@ def test_pruned_drafting_on_recorded_steps(default_model):
             drafted = replay_drafting(policy.drafting_rule(plan, batch), logprobs)
             pruned = tetris_windows(undrafted(logprobs, drafted), plan.capacity)
             assert pruned.tolist() == tetris_windows(logprobs, plan.capacity).tolist()
+            left_out += batch * k_prime - int(drafted.sum())
+    for capacity in (4, 8):  # ranked by calibrated survival, learning as it goes
+        policy = TetrisPolicy(SpecConfig(policy="tetris", k=3, extra=3, capacity=capacity, tetris_scores="calibrated"))
+        for logprobs, accept in steps:
+            batch, k_prime = logprobs.shape
+            plan = Plan(3, k_prime, min(capacity, batch * k_prime))
+            drafted = replay_drafting(policy.drafting_rule(plan, batch), logprobs)
+            full = Proposal(torch.zeros_like(logprobs, dtype=torch.int64), None, logprobs)
+            windows = policy.select(plan, full)
+            pruned = policy.select(plan, Proposal(full.tokens, None, undrafted(logprobs, drafted), drafted))
+            assert pruned.tolist() == windows.tolist()
+            passed = np.cumprod(accept > 0.5, axis=1) * (np.arange(k_prime) < windows.numpy()[:, None])
+            policy.observe(full, windows.tolist(), passed.sum(axis=1).tolist())
             left_out += batch * k_prime - int(drafted.sum())
     for cost in (linear, stairs):
         policy = TetrisPolicy(SpecConfig(policy="tetris", k=3, extra=3, capacity="auto"))

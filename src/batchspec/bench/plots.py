@@ -17,7 +17,7 @@ SWEEP_AXES = ("batch_size", "k", "extra", "capacity")
 AXIS_LABELS = {"tau": "sprinter threshold tau (verifier probability)",
                "batch_size": "batch size B (requests)", "k": "window k (draft tokens)",
                "extra": "extra draft tokens (K' - k)", "capacity": "capacity C (draft tokens verified per step)",
-               "tetris_scores": "Tetris ranks by: q or\nthe verifier's calibrated P(accept)"}
+               "tetris_scores": "Tetris ranks by: q, calibrated\nsurvival or the verifier"}
 
 
 def baselines_by_name(results: dict) -> dict[str, list[dict]]:

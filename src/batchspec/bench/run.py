@@ -26,6 +26,7 @@ from batchspec.runtime.machine import machine_description, peak_rss_mib
 from batchspec.runtime.sampling import SamplingParams
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import LOSSLESS_POLICIES, POLICIES, policy_class
+from batchspec.spec.policies.base import TETRIS_SCORES
 from batchspec.weights.loading import LoadedModel
 
 
@@ -66,8 +67,8 @@ class BenchConfig:
             if axis == "tau" and not all(0.0 <= v <= 1.0 for v in values):
                 raise BatchspecError("--sweep tau: values must be probabilities in [0, 1]")
             if axis == "tetris_scores":
-                if not values or not set(values) <= {"q", "verifier"}:
-                    raise BatchspecError("--sweep tetris_scores: values must be q and/or verifier")
+                if not values or not set(values) <= set(TETRIS_SCORES):
+                    raise BatchspecError(f"--sweep tetris_scores: values must be among {', '.join(TETRIS_SCORES)}")
                 continue
             if axis == "capacity":
                 values = tuple(v for v in values if v != "auto") or (0,)
@@ -131,14 +132,14 @@ def _truthfulqa() -> list[str]:
 def parse_sweep(items: list[str]) -> dict[str, tuple]:
     """["batch_size=1,8,16", "k=1..6"] -> {"batch_size": (1, 8, 16), "k": (1, 2, 3, 4, 5, 6)}.
 
-    tau takes probabilities (tau=0.3,0.5) and tetris_scores names (tetris_scores=q,verifier).
+    tau takes probabilities (tau=0.3,0.5) and tetris_scores names (tetris_scores=q,calibrated,verifier).
     """
     sweep = {}
     for item in items:
         axis, _, values = item.partition("=")
         axis = axis.strip().replace("-", "_")
         try:
-            if axis == "tetris_scores":  # what Tetris ranks by: q, or the SPRINTER verifier's learned P(accept)
+            if axis == "tetris_scores":  # what Tetris ranks by: q, calibrated survival or the SPRINTER verifier
                 numbers = tuple(v.strip() for v in values.split(",") if v.strip())
             elif ".." in values:
                 low, high = (int(v) for v in values.split(".."))

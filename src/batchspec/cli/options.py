@@ -65,9 +65,10 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
     parser.add_argument("--tau", type=float, default=None,
                         help="sprinter: keep a draft unchecked iff verifier prob >= tau (default: the verifier's)")
     parser.add_argument("--block-cap", type=int, default=20, help="sprinter: most drafts per block, L (default 20)")
-    parser.add_argument("--tetris-scores", default="q", choices=("q", "verifier"),
-                        help="tetris ranks drafts by cumulative draft probability q (default) or by the verifier's "
-                             "learned acceptance probability (lossless either way)")
+    parser.add_argument("--tetris-scores", default="q", choices=("q", "calibrated", "verifier"),
+                        help="tetris ranks drafts by cumulative draft probability q (default), by survival on "
+                             "acceptance calibrated from earlier steps' outcomes (what --capacity auto ranks by), or "
+                             "by the verifier's learned acceptance probability (lossless in every case)")
     parser.add_argument("--no-prune-drafts", dest="prune_drafts", action="store_false",
                         help="tetris: draft all k + extra tokens for every request (default: a request stops drafting "
                              "once none of its later drafts could be verified; the windows are the same either way)")

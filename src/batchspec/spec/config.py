@@ -21,7 +21,8 @@ class SpecConfig:
     verifier: str | None = None  # SPRINTER verifier directory: needed by `sprinter` and by tetris_scores="verifier"
     tau: float | None = None  # sprinter: accept a draft without the target iff verifier prob >= tau (None: its own)
     block_cap: int = 20  # sprinter: L, the most tokens a request drafts before the target is called
-    tetris_scores: str = "q"  # tetris ranks by cumulative draft probability ("q") or verifier probability
+    tetris_scores: str = "q"  # tetris ranks by cumulative draft probability ("q"), by survival on acceptance calibrated
+    # from earlier steps ("calibrated"; what --capacity auto ranks by) or by the SPRINTER verifier ("verifier")
     prune_drafts: bool = True  # tetris: a request stops drafting once none of its later drafts could be verified
 
     def capacity_for(self, batch_size: int) -> int:

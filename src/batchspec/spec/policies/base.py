@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from batchspec.spec.proposal import KeepDrafting, Proposal
     from batchspec.spec.verifier import DraftScorer, Verifier
 
+TETRIS_SCORES = ("q", "calibrated", "verifier")  # what Tetris may rank drafts by
 StepTime = Callable[[int, int], float]  # T(B, k): seconds of one speculative step (dsd's goodput model)
 
 
@@ -71,8 +72,8 @@ class Policy:
     def validate(cls, spec: SpecConfig, batch_size: int) -> None:
         """Raise a one-line BatchspecError if this policy cannot run `spec` on `batch_size` requests."""
         check_windows(spec.k, spec.extra, spec.capacity_for(batch_size), batch_size)
-        if spec.tetris_scores not in ("q", "verifier"):
-            raise BatchspecError(f"tetris scores must be 'q' or 'verifier', got {spec.tetris_scores!r}")
+        if spec.tetris_scores not in TETRIS_SCORES:
+            raise BatchspecError(f"tetris scores must be one of {', '.join(TETRIS_SCORES)}, got {spec.tetris_scores!r}")
 
     def max_draft_length(self) -> int:
         """Most draft tokens one step may write past a request's committed length (cache head-room). k + extra for

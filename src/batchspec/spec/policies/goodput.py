@@ -121,9 +121,13 @@ class Goodput:
             head += (1.0 - self.decay) * (mean - head)
         return survival
 
+    def estimate(self, logprobs: np.ndarray) -> np.ndarray:
+        """`survival` without remembering anything: for the drafts so far, while drafting."""
+        return self._survival(bin_of(logprobs))
+
     def keep_drafting(self, logprobs: np.ndarray, drafting: np.ndarray, times: np.ndarray, step: float) -> np.ndarray:
         """`goodput_keep_drafting` on the drafts so far (B, j), as `survival` will estimate them."""
-        return goodput_keep_drafting(self._survival(bin_of(logprobs)), drafting, times, step)
+        return goodput_keep_drafting(self.estimate(logprobs), drafting, times, step)
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
         same = self._last is not None and np.array_equal(self._last[0], logprobs)  # the drafts `survival` saw

@@ -91,7 +91,11 @@ def tetris_keep_drafting(logprobs: np.ndarray, drafting: np.ndarray, capacity: i
     outrank every one of them, so none can be verified: request i stops drafting. The final windows are then exactly
     those of drafting everything (tests/test_tetris.py checks this on recorded steps).
     """
-    costs = _cumulative_costs(logprobs)  # (B, j)
+    return top_capacity_keep_drafting(_cumulative_costs(logprobs), drafting, capacity)
+
+
+def top_capacity_keep_drafting(costs: np.ndarray, drafting: np.ndarray, capacity: int) -> np.ndarray:
+    """`tetris_keep_drafting` on any costs (B, j) non-decreasing along j (the negated scores a top-C ranks by)."""
     if capacity <= 0:
         return np.zeros_like(drafting)
     if capacity > costs.size:
@@ -121,7 +125,8 @@ def expected_accepted(accept_probs: Tensor, windows: Tensor) -> float:
 class TetrisPolicy(Policy):
     """Top-C cumulative draft probability across the batch; sd's window below `turn_on_batch_size` requests, where
     there is too little choice across requests to pay off. With `tetris_scores="verifier"` it ranks by the SPRINTER
-    verifier's calibrated P(accept) instead of q: still draft-side only, so still lossless. With `capacity="auto"`
+    verifier's calibrated P(accept) instead of q, with "calibrated" by survival on acceptance learned from earlier
+    steps (`spec.calibration`): still draft-side only, so still lossless. With `capacity="auto"`
     (goodput Tetris, `policies/goodput.py`) it chooses K' before drafting and C after it, for the most expected
     tokens per second, on acceptance calibrated from earlier steps."""
 
@@ -133,7 +138,10 @@ class TetrisPolicy(Policy):
         super().__init__(spec, verifier)
         self.auto = spec.capacity == "auto"  # K' and C chosen per step for goodput, on calibrated acceptance
         self.needs_step_time = self.needs_row_times = self.auto
-        self.goodput = Goodput(spec.k + spec.extra) if self.auto else None  # what it has learned so far
+        # Calibrated acceptance, learned from every verification: what goodput mode and tetris_scores="calibrated"
+        # rank by.
+        self.calibrated = self.auto or spec.tetris_scores == "calibrated"
+        self.goodput = Goodput(spec.k + spec.extra) if self.calibrated else None
         self._times = None  # (cost model, (B, K'), step times, smallest step) of the last step seen
 
     @classmethod
@@ -144,7 +152,8 @@ class TetrisPolicy(Policy):
         if spec.tetris_scores == "verifier" and spec.verifier is None:
             raise BatchspecError("policy 'tetris' with --tetris-scores verifier needs a SPRINTER verifier (--verifier)")
         if spec.tetris_scores == "verifier" and spec.capacity == "auto":
-            raise BatchspecError("--capacity auto ranks by calibrated draft probabilities: use --tetris-scores q")
+            raise BatchspecError("--capacity auto ranks by calibrated draft probabilities: use --tetris-scores q or "
+                                 "calibrated")
 
     def plan(self, batch_size: int, step_time=None) -> Plan:
         if not self.auto:
@@ -171,6 +180,9 @@ class TetrisPolicy(Policy):
             return None  # its scores are not the log q seen while drafting
         if not self.auto:
             def keep_fixed(logprobs: Tensor, drafting: Tensor) -> Tensor:
+                if self.calibrated:  # the C-th best survival so far, as `select` will rank them
+                    costs = np.negative(self.goodput.estimate(logprobs.numpy()))
+                    return torch.from_numpy(top_capacity_keep_drafting(costs, drafting.numpy(), plan.capacity))
                 return torch.from_numpy(tetris_keep_drafting(logprobs.numpy(), drafting.numpy(), plan.capacity))
             return keep_fixed
         times, step = self._step_times(plan, batch_size)  # as `select` will time the step
@@ -194,11 +206,14 @@ class TetrisPolicy(Policy):
         if self.auto:
             survival = self.goodput.survival(proposal.logprobs.numpy())  # (B, K')
             return torch.from_numpy(goodput_windows(survival, self._step_times(plan, batch_size)[0]))
+        if self.calibrated:  # top-C by calibrated survival
+            return _top_capacity_windows(torch.from_numpy(self.goodput.survival(proposal.logprobs.numpy())),
+                                         plan.capacity)
         # Calibrated (class balancing undone) verifier probabilities rank like acceptance probabilities.
         scores = (calibrated_log_probs(self.verifier, proposal.verifier_probs) if self.spec.tetris_scores == "verifier"
                   else proposal.logprobs)
         return tetris_windows(scores, plan.capacity)
 
     def observe(self, proposal, windows: list[int], accepted: list[int]) -> None:
-        if self.auto:
+        if self.calibrated:
             self.goodput.observe(proposal.logprobs.numpy(), np.asarray(windows), np.asarray(accepted))
