@@ -225,7 +225,7 @@ class Engine:
                 continue
             self._sample_and_commit(group, self.runner.prefill(group, self.stats))
             for r in group:
-                r.draft_pending = r.output_ids[-1:]
+                r.draft_pending = r.tokens_from(0)  # the draft runs the prompt with its first pass
             group = [request] if request is not None else []
 
     def _decode(self, active: list[Request]) -> None:

@@ -1,7 +1,7 @@
 """The model work of a step: both models, their KV caches, and the passes the engine asks for.
 
 One slot per active request, the same slot number in both caches. Prefill runs packed prompts through the target
-(and the draft, to fill its cache); a decoding step runs the target on one token per request; a speculative step
+(the draft runs them with its first draft pass, as pending input); a decoding step runs the target on one token per request; a speculative step
 hands the models and caches to `spec.step.run`. Sampling and appending tokens to requests are the engine's.
 """
 
@@ -39,18 +39,15 @@ class ModelRunner:
         return out.logits
 
     def prefill(self, group: list[Request], stats: RunStats) -> torch.Tensor:
-        """Run the prompts of newly admitted requests, packed, through both models. Returns (G, V) logits of each
-        prompt's last position."""
+        """Run the prompts of newly admitted requests, packed, through the target. Returns (G, V) logits of each
+        prompt's last position. The draft's cache starts empty: the prompt is its pending input, run with the first
+        draft pass — so a policy that decides not to draft (goodput Tetris, dsd's k = 0) never pays for it."""
         num_new, tokens, last_rows = ragged_inputs([r.prompt_ids for r in group])
         slots = torch.tensor([r.slot for r in group])
         self.target_cache.lengths[slots] = 0  # a slot handed out again starts empty
-        logits = self._run_target(slots, num_new, tokens, last_rows, stats)
         if self.draft_cache is not None:
-            started = time.perf_counter()
             self.draft_cache.lengths[slots] = 0
-            self.draft.transformer.forward(self.draft_cache, slots, num_new, tokens, all_logits=False)
-            stats.draft_s += time.perf_counter() - started
-        return logits
+        return self._run_target(slots, num_new, tokens, last_rows, stats)
 
     def decode(self, active: list[Request], stats: RunStats) -> torch.Tensor:
         """The target on each request's last token. Returns (B, V) logits."""

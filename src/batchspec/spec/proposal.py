@@ -2,7 +2,8 @@
 
 Cache convention, for both models: a request's cache holds its committed tokens except the ones listed as pending
 for that model. The target always has exactly one pending token (the last one emitted); the draft has one, or two
-when the target accepted every draft of the last step (the draft never ran on its own final proposal).
+when the target accepted every draft of the last step (the draft never ran on its own final proposal), or more: the
+whole prompt after prefill, and every token of the plain decoding steps since it last drafted.
 """
 
 from __future__ import annotations

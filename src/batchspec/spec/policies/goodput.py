@@ -103,6 +103,7 @@ class Goodput:
         self._plain_steps = 0
         self._wait = self.explore_after
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
+        self._best: tuple | None = None  # (B, cost model, K') of the last choice, until survival changes
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
         # Bin 0 (-inf: not drafted, the request stopped early) has rate 0: survives nothing.
@@ -112,6 +113,7 @@ class Goodput:
         """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position for `draft_length`."""
         self._last = (logprobs, bin_of(logprobs))  # for `observe`, which sees the same drafts
         survival = self._survival(self._last[1])
+        self._best = None
         mean = survival.mean(axis=0)  # (K',)
         if self.expected_survival is None:
             self.expected_survival = np.zeros(self.max_draft)
@@ -138,7 +140,11 @@ class Goodput:
         of plain decoding steps, one draft per request, to see whether drafting pays again."""
         if self.expected_survival is None:
             return self.max_draft
-        k_prime = best_draft_length(self.expected_survival, batch_size, step_time)
+        if self._best is not None and self._best[0] == batch_size and self._best[1] is step_time:
+            k_prime = self._best[2]  # nothing learned since (plain decoding steps): the same choice
+        else:
+            k_prime = best_draft_length(self.expected_survival, batch_size, step_time)
+            self._best = batch_size, step_time, k_prime
         if k_prime:
             self._plain_steps, self._wait = 0, self.explore_after
             return k_prime
