@@ -221,7 +221,7 @@ def test_record_and_replay_tiny_models(tmp_path, tiny_model_factory):
     path = tmp_path / "trace.safetensors"
     assert main(["bench", "--target", str(target), "--draft", str(draft), "--dataset", f"jsonl:{prompts}",
                  "--num-prompts", "3", "--batch-size", "2", "--policies", "sd,tetris", "-k", "2", "--extra", "1",
-                 "--max-tokens", "8", "--record-trace", str(path), "--baselines", "none",
+                 "--capacity", "fixed", "--max-tokens", "8", "--record-trace", str(path), "--baselines", "none",
                  "--sweep", "batch_size=2,3", "--json"]) == 0  # implies --measure-oracle
     # The trace is the first sweep point's (batch 2), and so are the measured runs stored beside it.
     trace = load_trace(path)

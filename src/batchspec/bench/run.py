@@ -71,7 +71,7 @@ class BenchConfig:
                     raise BatchspecError(f"--sweep tetris_scores: values must be among {', '.join(TETRIS_SCORES)}")
                 continue
             if axis == "capacity":
-                values = tuple(v for v in values if v != "auto") or (0,)
+                values = tuple(v for v in values if isinstance(v, int)) or (0,)  # auto, fixed (None): valid
             if not values or min(values) < (1 if axis in ("batch_size", "k") else 0):
                 raise BatchspecError(f"--sweep {axis}: values must be {'>= 1' if axis in ('batch_size', 'k') else '>= 0'}")
         check_baselines(self.baselines)
@@ -144,14 +144,15 @@ def parse_sweep(items: list[str]) -> dict[str, tuple]:
             elif ".." in values:
                 low, high = (int(v) for v in values.split(".."))
                 numbers = tuple(range(low, high + 1))
-            elif axis == "capacity":  # numbers, or auto (Tetris chooses C per step)
-                numbers = tuple(v.strip() if v.strip() == "auto" else int(v) for v in values.split(",") if v.strip())
+            elif axis == "capacity":  # numbers, auto (Tetris chooses C per step) or fixed (k x B: None)
+                numbers = tuple({"auto": "auto", "fixed": None}[v.strip()] if v.strip() in ("auto", "fixed")
+                                else int(v) for v in values.split(",") if v.strip())
             else:
                 kind = float if axis == "tau" else int  # tau is sprinter's probability threshold
                 numbers = tuple(kind(v) for v in values.split(",") if v.strip())
         except ValueError:
             raise BatchspecError(f"--sweep {item!r}: expected AXIS=1,2,4 or AXIS=LOW..HIGH with integers "
-                                 "(tau=0.3,0.5,0.7 with probabilities, capacity=8,auto)") from None
+                                 "(tau=0.3,0.5,0.7 with probabilities, capacity=8,fixed,auto)") from None
         if not numbers:
             raise BatchspecError(f"--sweep {item!r}: no values")
         sweep[axis] = numbers

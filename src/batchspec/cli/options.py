@@ -50,10 +50,11 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
                                  "(learned verifier, approximate) (default ar)")
     parser.add_argument("-k", "--k", type=int, default=4, help="draft window of sd / base window (default 4)")
     parser.add_argument("--extra", type=int, default=2, help="extra draft tokens Tetris may choose from (default 2)")
-    parser.add_argument("--capacity", type=capacity_or_auto, default=None,
-                        help="target verification capacity C per step (default k x active batch); tetris: 'auto' "
-                             "chooses C each step for the most expected tokens per second, from calibrated "
-                             "acceptance and this machine's profiled step times")
+    parser.add_argument("--capacity", type=capacity_or_auto, default="auto",
+                        help="tetris's verification capacity C per step: auto (default) chooses K' and C each step "
+                             "for the most expected tokens per second, from calibrated acceptance and this "
+                             "machine's profiled step times; fixed: k x active batch (the Tetris paper's); or a "
+                             "number. The oracle verifies k x active batch unless given a number")
     parser.add_argument("--turn-on-batch-size", type=int, default=1,
                         help="below this many active requests Tetris behaves as sd (default 1)")
     parser.add_argument("--k-max", type=int, default=8, help="largest window dsd may choose (default 8)")
@@ -102,8 +103,11 @@ def resolve_draft(spec: str | None, target: str | None = None) -> str | None:
     return spec
 
 
-def capacity_or_auto(text: str) -> int | str:
-    return text if text == "auto" else _int_at_least(text, 0, "a non-negative integer or auto")
+def capacity_or_auto(text: str) -> int | str | None:
+    """`--capacity`: auto (chosen per step), fixed (k x active batch, the Tetris paper's C: None) or a number."""
+    if text in ("auto", "fixed"):
+        return None if text == "fixed" else text
+    return _int_at_least(text, 0, "a non-negative integer, auto or fixed")
 
 
 def max_tokens_or_auto(text: str) -> int | None:

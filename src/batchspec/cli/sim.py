@@ -36,8 +36,9 @@ def add_sim_parser(subparsers):
     add("--batch-sizes", default="16,32,64", help="comma-separated batch sizes (default 16,32,64)")
     add("-k", "--k", type=int, default=4, help="draft window of sd / base window (default 4)")
     add("--extra", type=int, default=2, help="extra draft tokens Tetris may choose from (default 2)")
-    add("--capacity", type=capacity_or_auto, default=None,
-        help="verification capacity C per step (default k x active batch); tetris: auto (chosen per step)")
+    add("--capacity", type=capacity_or_auto, default="auto",
+        help="tetris's capacity C per step: auto (default; K' and C chosen per step), fixed (k x active batch, the "
+             "paper's) or a number")
     add("--k-max", type=int, default=8, help="largest window dsd may choose, at most the trace's K' (default 8)")
     add("--pipeline", default="both", choices=("sequential", "parallel", "both"),
         help="sequential: draft then verify; parallel: drafting overlaps verification (default both)")
