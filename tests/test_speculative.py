@@ -154,24 +154,15 @@ def test_pruned_drafting_on_recorded_steps(default_model):
             pruned = tetris_windows(undrafted(logprobs, drafted), plan.capacity)
             assert pruned.tolist() == tetris_windows(logprobs, plan.capacity).tolist()
             left_out += batch * k_prime - int(drafted.sum())
-    for capacity in (4, 8):  # ranked by calibrated survival, learning as it goes
-        policy = TetrisPolicy(SpecConfig(policy="tetris", k=3, extra=3, capacity=capacity, tetris_scores="calibrated"))
+    # Policies that learn (calibrated survival at fixed C, goodput's C), step after step as in a run.
+    learning = [(SpecConfig(policy="tetris", k=3, extra=3, capacity=c, tetris_scores="calibrated"), None)
+                for c in (4, 8)] + [(SpecConfig(policy="tetris", k=3, extra=3, capacity="auto"), cost)
+                                    for cost in (linear, stairs)]
+    for spec, cost in learning:
+        policy = TetrisPolicy(spec)
         for logprobs, accept in steps:
             batch, k_prime = logprobs.shape
-            plan = Plan(3, k_prime, min(capacity, batch * k_prime))
-            drafted = replay_drafting(policy.drafting_rule(plan, batch), logprobs)
-            full = Proposal(torch.zeros_like(logprobs, dtype=torch.int64), None, logprobs)
-            windows = policy.select(plan, full)
-            pruned = policy.select(plan, Proposal(full.tokens, None, undrafted(logprobs, drafted), drafted))
-            assert pruned.tolist() == windows.tolist()
-            passed = np.cumprod(accept > 0.5, axis=1) * (np.arange(k_prime) < windows.numpy()[:, None])
-            policy.observe(full, windows.tolist(), passed.sum(axis=1).tolist())
-            left_out += batch * k_prime - int(drafted.sum())
-    for cost in (linear, stairs):
-        policy = TetrisPolicy(SpecConfig(policy="tetris", k=3, extra=3, capacity="auto"))
-        for logprobs, accept in steps:
-            batch, k_prime = logprobs.shape
-            plan = Plan(3, k_prime, 3 * batch, cost)
+            plan = Plan(3, k_prime, min(spec.capacity_for(batch), batch * k_prime), cost)
             drafted = replay_drafting(policy.drafting_rule(plan, batch), logprobs)
             full = Proposal(torch.zeros_like(logprobs, dtype=torch.int64), None, logprobs)
             windows = policy.select(plan, full)

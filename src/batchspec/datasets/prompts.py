@@ -25,7 +25,7 @@ def load_prompts_file(path: str | Path) -> list[str]:
     except UnicodeDecodeError as bad:
         raise BatchspecError(f"prompts file {path} is not UTF-8 text: {bad}") from None
     if path.suffix == ".jsonl":
-        prompts = _jsonl_prompts(path, text)
+        prompts = _jsonl_strings(path, text, "prompt")
     elif path.suffix == ".json":
         prompts = [p for p, _ in sharegpt_prompts(path, text)]
     else:
@@ -35,8 +35,9 @@ def load_prompts_file(path: str | Path) -> list[str]:
     return prompts
 
 
-def _jsonl_prompts(path: Path, text: str) -> list[str]:
-    prompts = []
+def _jsonl_strings(path: Path, text: str, name: str) -> list[str]:
+    """The string field `name` of every object in JSONL `text` (blank lines skipped)."""
+    values = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -44,10 +45,10 @@ def _jsonl_prompts(path: Path, text: str) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as bad:
             raise BatchspecError(f"{path}:{number}: invalid JSON: {bad.msg}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise BatchspecError(f'{path}:{number}: expected an object with a string "prompt" field')
-        prompts.append(record["prompt"])
-    return prompts
+        if not isinstance(record, dict) or not isinstance(record.get(name), str):
+            raise BatchspecError(f'{path}:{number}: expected an object with a string "{name}" field')
+        values.append(record[name])
+    return values
 
 
 def sharegpt_prompts(path: Path, text: str | None = None) -> list[tuple[str, str | None]]:
@@ -90,18 +91,7 @@ def humaneval_chat_prompt(code: str) -> str:
 def truthfulqa_questions(path: str | Path) -> list[str]:
     """The questions of TruthfulQA's JSONL file (one {"question": ..., "answer": [...]} per line), in file order."""
     path = Path(path)
-    questions = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as bad:
-            raise BatchspecError(f"{path}:{number}: invalid JSON: {bad.msg}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("question"), str):
-            raise BatchspecError(f'{path}:{number}: expected an object with a string "question" field')
-        questions.append(record["question"])
-    return questions
+    return _jsonl_strings(path, path.read_text(encoding="utf-8"), "question")
 
 
 def interleave(*sets: list[str]) -> list[tuple[str, int]]:

@@ -1,8 +1,9 @@
 """The model work of a step: both models, their KV caches, and the passes the engine asks for.
 
 One slot per active request, the same slot number in both caches. Prefill runs packed prompts through the target
-(the draft runs them with its first draft pass, as pending input); a decoding step runs the target on one token per request; a speculative step
-hands the models and caches to `spec.step.run`. Sampling and appending tokens to requests are the engine's.
+(the draft runs them with its first draft pass, as pending input); a decoding step runs the target on one token per
+request; a speculative step hands the models and caches to `spec.step.run`. Sampling and appending tokens to
+requests are the engine's.
 """
 
 from __future__ import annotations

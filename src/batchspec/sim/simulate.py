@@ -157,7 +157,8 @@ def _step(timelines: Timelines, cost, config: SimConfig, policy: Policy, active:
     expected = None
     if k_prime:
         windows_t = torch.from_numpy(np.asarray(windows, dtype=np.int64))
-        expected = (expected_accepted(accept, windows_t), expected_accepted(accept, oracle_windows(accept, int(windows.sum()))))
+        oracle = oracle_windows(accept, int(windows.sum()))  # at the same number of verified drafts
+        expected = (expected_accepted(accept, windows_t), expected_accepted(accept, oracle))
     outcome = StepOutcome(int(emitted.sum()), windows.tolist(), accepted.tolist(), expected)
     stats.record_step(batch, outcome, keep_windows=False)
     if k_prime:
