@@ -156,7 +156,7 @@ def test_sharegpt_auto_max_tokens_and_bad_sweep(tmp_path, tiny_model_factory):
     share = tmp_path / "s.json"
     share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"},
                                                     {"from": "gpt", "value": "hello there, friend"}]}]))
-    prompts, limits, skipped = prepare_prompts(BenchConfig(dataset=f"sharegpt:{share}", max_tokens=None),
+    prompts, limits, _, skipped = prepare_prompts(BenchConfig(dataset=f"sharegpt:{share}", max_tokens=None),
                                                target, None)
     assert prompts == ["hi"] and limits == [len(target.tokenizer.encode("hello there, friend"))] and skipped == 0
     with pytest.raises(BatchspecError, match="auto"):

@@ -92,16 +92,12 @@ DATASETS = "humaneval, truthfulqa, mixed (humaneval and truthfulqa in turn), jso
 
 def load_dataset(spec: str, limit: int) -> list[str]:
     """A dataset (`DATASETS`) -> at most `limit` prompts."""
-    return [prompt for prompt, _ in load_dataset_with_replies(spec, limit)]
-
-
-def load_dataset_with_replies(spec: str, limit: int) -> list[tuple[str, str | None]]:
-    """(prompt, reference reply or None): ShareGPT files carry the reply that `--max-tokens auto` measures."""
-    return [(prompt, reply) for prompt, reply, _ in load_dataset_with_kinds(spec, limit)]
+    return [prompt for prompt, _, _ in load_dataset_with_kinds(spec, limit)]
 
 
 def load_dataset_with_kinds(spec: str, limit: int) -> list[tuple[str, str | None, str | None]]:
-    """(prompt, reference reply or None, kind: "code", "prose" or None) for at most `limit` prompts."""
+    """(prompt, reference reply or None, kind: "code", "prose" or None) for at most `limit` prompts. ShareGPT files
+    carry the reply that `--max-tokens auto` measures."""
     if spec == "humaneval":
         rows = [(p, None, "code") for p in _humaneval()]
     elif spec == "truthfulqa":
@@ -172,15 +168,9 @@ def sweep_points(config: BenchConfig) -> list[BenchConfig]:
 
 
 def prepare_prompts(config: BenchConfig, target: LoadedModel,
-                    draft: LoadedModel | None) -> tuple[list[str], list[int], int]:
-    """(prompts, max_tokens per prompt, number skipped): prompts too long for the context are dropped, not fatal."""
-    prompts, limits, _, skipped = prepare_prompts_with_kinds(config, target, draft)
-    return prompts, limits, skipped
-
-
-def prepare_prompts_with_kinds(config: BenchConfig, target: LoadedModel,
-                               draft: LoadedModel | None) -> tuple[list[str], list[int], list[str | None], int]:
-    """`prepare_prompts`, and the kind of each prompt kept ("code", "prose" or None)."""
+                    draft: LoadedModel | None) -> tuple[list[str], list[int], list[str | None], int]:
+    """(prompts, max_tokens per prompt, kind of each prompt ("code", "prose" or None), number skipped): prompts too
+    long for the context are dropped, not fatal."""
     engine, tokenizer = Engine(target, draft), target.tokenizer
     context = engine.context_length
     kept, limits, kinds, skipped = [], [], [], 0
@@ -204,7 +194,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
               progress: bool = False, log=None) -> dict:
     """log: called with one line per finished run and baseline (for output that goes to a file)."""
     config.validate()
-    prompts, limits, kinds, skipped = prepare_prompts_with_kinds(config, target, draft)
+    prompts, limits, kinds, skipped = prepare_prompts(config, target, draft)
     params = [SamplingParams(max_tokens=m, temperature=config.temperature, top_p=config.top_p, seed=config.seed)
               for m in limits]
     runs, outputs, texts, baselines, baseline_models = [], {}, {}, [], {}

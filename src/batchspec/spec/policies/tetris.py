@@ -89,7 +89,7 @@ def tetris_keep_drafting(logprobs: np.ndarray, drafting: np.ndarray, capacity: i
     logprobs (B, j): every draft so far, -inf past the end of a request that stopped. Request i's later drafts score
     at most its current s[i, j-1]; when that is below the C-th best score already drafted, at least C drafts will
     outrank every one of them, so none can be verified: request i stops drafting. The final windows are then exactly
-    those of drafting everything (tests/test_tetris.py checks this on recorded steps).
+    those of drafting everything (tests/test_tetris.py: random instances; tests/test_speculative.py: recorded steps).
     """
     return top_capacity_keep_drafting(_cumulative_costs(logprobs), drafting, capacity)
 
@@ -179,11 +179,13 @@ class TetrisPolicy(Policy):
         if self.spec.tetris_scores == "verifier":
             return None  # its scores are not the log q seen while drafting
         if not self.auto:
+            # The costs `select` will rank by: -survival when calibrated, else -cumulative log q.
+            costs_of = ((lambda logprobs: np.negative(self.goodput.estimate(logprobs))) if self.calibrated
+                        else _cumulative_costs)
+
             def keep_fixed(logprobs: Tensor, drafting: Tensor) -> Tensor:
-                if self.calibrated:  # the C-th best survival so far, as `select` will rank them
-                    costs = np.negative(self.goodput.estimate(logprobs.numpy()))
-                    return torch.from_numpy(top_capacity_keep_drafting(costs, drafting.numpy(), plan.capacity))
-                return torch.from_numpy(tetris_keep_drafting(logprobs.numpy(), drafting.numpy(), plan.capacity))
+                return torch.from_numpy(top_capacity_keep_drafting(costs_of(logprobs.numpy()), drafting.numpy(),
+                                                                   plan.capacity))
             return keep_fixed
         times, step = self._step_times(plan, batch_size)  # as `select` will time the step
 
