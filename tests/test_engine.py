@@ -1,4 +1,5 @@
-"""End to end on the real default model: batching does not change greedy output; seeds reproduce; stops work."""
+"""End to end on the real default model: batching and chunked prefill do not change greedy output; seeds reproduce;
+stops work."""
 
 from __future__ import annotations
 
@@ -66,3 +67,21 @@ def test_cli_generate_json_mentions_paris(capsys, default_model_dir):
     result = json.loads(capsys.readouterr().out)
     assert "Paris" in result["outputs"][0]["text"]
     assert result["stats"]["emitted_tokens"] >= 1
+
+
+def test_chunked_prefill_equals_whole_prompts(default_model, engine):
+    # The real target, greedy, prompts of ~15 to ~200 tokens prefilled 16 tokens a step at batch 3 (requests join
+    # while others run); then the real default pair (tetris), the draft fed the same chunks.
+    from batchspec.spec.config import SpecConfig
+    from batchspec.weights.known_models import default_draft_dir
+    from batchspec.weights.loading import load_model
+
+    prompts = PROMPTS[1:] + [humaneval_chat_prompt(p) for p in humaneval_prompts()[:2]]
+    params = SamplingParams(max_tokens=24)
+    whole = [o.token_ids for o in engine.generate(prompts, params, chat=True)]
+    chunked = Engine(default_model, max_batch_size=3, prefill_chunk=16).generate(prompts, params, chat=True)
+    assert [o.token_ids for o in chunked] == whole
+    pair = Engine(default_model, load_model(default_draft_dir()), SpecConfig(policy="tetris", k=3, extra=2),
+                  max_batch_size=3, prefill_chunk=16)
+    assert [o.token_ids for o in pair.generate(prompts, params, chat=True)] == whole
+    assert pair.metrics()["vsr"] > 0.1

@@ -11,6 +11,13 @@ engine thread drives the same `open` / `add_request` / `step` API while requests
     while engine.has_work():
         for out in engine.step():
             ...  # out.request_id, out.new_token_ids, out.finish_reason
+
+Prefill: `prefill_chunk=None` runs each admitted prompt whole, in the step that admits it (packed in groups of about
+`prefill_tokens` tokens), and the running requests wait for that step. `prefill_chunk=N` (chunked prefill) runs at
+most N prompt tokens per prefill step, as one ragged forward of the target (and of the draft, for a speculative
+policy, so that its first draft pass has no prompt left to run), alternating with decoding / speculative steps
+while requests are running; the step that completes a prompt samples the request's first token. Greedy and seeded
+outputs are the same either way; see `scheduler.py` for the plan of each step.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 
 from batchspec.engine.model_runner import ModelRunner
 from batchspec.engine.request import GenerationOutput, Request, commit_tokens, output_of
-from batchspec.engine.scheduler import Scheduler, StepOutput
+from batchspec.engine.scheduler import PrefillChunk, ScheduledStep, Scheduler, StepOutput
 from batchspec.errors import BatchspecError
 from batchspec.runtime.precision import DEFAULT_TARGET_DTYPE
 from batchspec.runtime.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
@@ -42,11 +49,16 @@ class Engine:
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
                  max_batch_size: int = 16, prefill_tokens: int = 2048, seed: int = 0,
-                 step_time: StepTime | None = None) -> None:
+                 step_time: StepTime | None = None, prefill_chunk: int | None = None) -> None:
         """`step_time`: the step-cost model (dsd's T(B, k); a `StepCost` for tetris --capacity auto); None profiles this
-        machine when a run that needs it first opens."""
+        machine when a run that needs it first opens. `prefill_chunk`: prompt tokens per prefill step (chunked
+        prefill), None for whole prompts (see the module docstring)."""
         if max_batch_size < 1:
             raise BatchspecError(f"batch size must be at least 1, got {max_batch_size}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise BatchspecError(f"prefill_chunk must be a number of tokens >= 1 (or None: whole prompts), "
+                                 f"got {prefill_chunk!r}")
         self.spec = spec or SpecConfig()
         policy = policy_class(self.spec.policy)
         policy.validate(self.spec, max_batch_size)
@@ -75,12 +87,14 @@ class Engine:
             draft.transformer.batch_invariant = False
         self.max_batch_size = max_batch_size
         self.prefill_tokens = prefill_tokens
+        self.prefill_chunk = prefill_chunk
         self.seed = seed
         self.step_time = step_time
         self.stats = RunStats()  # counters of the last `generate` (or, in a server, since the engine started)
         self.last_requests: list[Request] = []  # of the last `generate`, for metrics()
         self.scheduler: Scheduler | None = None  # of the open run
         self.runner: ModelRunner | None = None
+        self.last_step: ScheduledStep | None = None  # what the last `step` ran (a server's step metrics read it)
         self._trace = None
         self._keep_windows = True
 
@@ -96,9 +110,11 @@ class Engine:
 
     def encode_prompt(self, prompt: Prompt, chat: bool) -> list[int]:
         tokenizer = self.target.tokenizer
+        # User text never yields control tokens: a chat's special tokens come from its template, and a plain prompt
+        # is all text (who needs control tokens sends token ids).
         if isinstance(prompt, list):
-            return tokenizer.encode(tokenizer.apply_chat_template(prompt))
-        return tokenizer.encode_user_message(prompt) if chat else tokenizer.encode(prompt)
+            return tokenizer.encode_chat(prompt)
+        return tokenizer.encode_user_message(prompt) if chat else tokenizer.encode_text(prompt)
 
     @property
     def context_length(self) -> int:
@@ -169,7 +185,8 @@ class Engine:
         self.close()  # the previous run's caches go before the new ones are allocated
         self.runner = ModelRunner(self.target, self.draft if self.policy.speculative else None, num_slots, max_len)
         # Longest prompt + output a request may have: the cache, less one step's speculative overshoot.
-        self.scheduler = Scheduler(num_slots, min(self.context_length, self.runner.max_len), self.seed)
+        self.scheduler = Scheduler(num_slots, min(self.context_length, self.runner.max_len), self.seed,
+                                   self.prefill_chunk)
         self._trace, self._keep_windows = trace, keep_windows
 
     def close(self) -> None:
@@ -188,17 +205,17 @@ class Engine:
         return self.scheduler is not None and self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """Schedule -> model work -> postprocess: prefill the newly admitted requests, or else advance every active
-        one by a decoding or speculative step."""
-        scheduled = self.scheduler.schedule()
+        """Schedule -> model work -> postprocess: run the scheduled prompt chunks, or else advance every running
+        request by a decoding or speculative step."""
+        scheduled = self.last_step = self.scheduler.schedule()
         if scheduled is None:
             return []
         if scheduled.prefill:
-            self._prefill(scheduled.admitted)
+            self._prefill(scheduled.chunks)
         elif self.policy.speculative:
-            self._speculate(scheduled.active)
+            self._speculate(scheduled.running)
         else:
-            self._decode(scheduled.active)
+            self._decode(scheduled.running)
         return self.scheduler.postprocess(scheduled)
 
     def metrics(self) -> dict:
@@ -215,18 +232,23 @@ class Engine:
 
     # --- the model work of a step ---------------------------------------------------------------------------------
 
-    def _prefill(self, admitted: list[Request]) -> None:
-        """Run the prompts of newly admitted requests, packed, in chunks of about `prefill_tokens` tokens."""
-        group: list[Request] = []
-        for request in admitted + [None]:
-            if request is not None and (not group or sum(len(r.prompt_ids) for r in group) + len(
-                    request.prompt_ids) <= self.prefill_tokens):
-                group.append(request)
+    def _prefill(self, chunks: list[PrefillChunk]) -> None:
+        """Run prompt chunks, packed in groups of about `prefill_tokens` tokens (a single group when chunked with a
+        budget of at most that); sample the first token of each request whose prompt a chunk completes."""
+        group: list[PrefillChunk] = []
+        for chunk in chunks + [None]:
+            if chunk is not None and (not group or sum(c.length for c in group) + chunk.length <= self.prefill_tokens):
+                group.append(chunk)
                 continue
-            self._sample_and_commit(group, self.runner.prefill(group, self.stats))
-            for r in group:
-                r.draft_pending = r.tokens_from(0)  # the draft runs the prompt with its first pass
-            group = [request] if request is not None else []
+            logits = self.runner.prefill(group, self.stats, with_draft=self.prefill_chunk is not None)
+            completed = [c.request for c in group if c.completes]
+            if completed:
+                self._sample_and_commit(completed, logits)
+            for request in completed:
+                # What the draft's cache lacks: the whole sequence (its first draft pass runs the prompt) or, when
+                # it ran the chunks too, the first token only.
+                request.draft_pending = request.tokens_from(self.runner.draft_length(request))
+            group = [chunk] if chunk is not None else []
 
     def _decode(self, active: list[Request]) -> None:
         logits = self.runner.decode(active, self.stats)

@@ -1,9 +1,11 @@
 """The model work of a step: both models, their KV caches, and the passes the engine asks for.
 
-One slot per active request, the same slot number in both caches. Prefill runs packed prompts through the target
-(the draft runs them with its first draft pass, as pending input); a decoding step runs the target on one token per
-request; a speculative step hands the models and caches to `spec.step.run`. Sampling and appending tokens to
-requests are the engine's.
+One slot per admitted request, the same slot number in both caches. Prefill runs packed prompt chunks through the
+target: whole prompts, which the draft then runs with its first draft pass as pending input; or, with chunked
+prefill, pieces of prompts, which the draft runs in the same step (a whole prompt pending would stall the first
+speculative step as long as an unchunked prefill). A decoding step runs the target on one token per request; a
+speculative step hands the models and caches to `spec.step.run`. Sampling and appending tokens to requests are the
+engine's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import torch
 
 from batchspec.engine.request import Request
+from batchspec.engine.scheduler import PrefillChunk
 from batchspec.runtime.sampling import params_tensors
 from batchspec.spec import step as spec_step
 from batchspec.spec.policies import Plan, Policy
@@ -32,23 +35,41 @@ class ModelRunner:
     def max_len(self) -> int:
         return self.target_cache.max_len
 
-    def _run_target(self, slots: torch.Tensor, num_new: torch.Tensor, tokens: torch.Tensor, logit_rows: torch.Tensor,
-                    stats: RunStats) -> torch.Tensor:
+    def _run_target(self, slots: torch.Tensor, num_new: torch.Tensor, tokens: torch.Tensor,
+                    logit_rows: torch.Tensor | None, stats: RunStats) -> torch.Tensor | None:
         started = time.perf_counter()
-        out = self.target.transformer.forward(self.target_cache, slots, num_new, tokens, logit_rows=logit_rows)
+        out = self.target.transformer.forward(self.target_cache, slots, num_new, tokens, logit_rows=logit_rows,
+                                              all_logits=False)
         stats.count_target(time.perf_counter() - started, int(tokens.numel()))
         return out.logits
 
-    def prefill(self, group: list[Request], stats: RunStats) -> torch.Tensor:
-        """Run the prompts of newly admitted requests, packed, through the target. Returns (G, V) logits of each
-        prompt's last position. The draft's cache starts empty: the prompt is its pending input, run with the first
-        draft pass — so a policy that decides not to draft (goodput Tetris, dsd's k = 0) never pays for it."""
-        num_new, tokens, last_rows = ragged_inputs([r.prompt_ids for r in group])
-        slots = torch.tensor([r.slot for r in group])
-        self.target_cache.lengths[slots] = 0  # a slot handed out again starts empty
+    def prefill(self, chunks: list[PrefillChunk], stats: RunStats, with_draft: bool = False) -> torch.Tensor | None:
+        """Append prompt chunks, packed as one ragged forward, to their requests' target caches. Returns (F, V)
+        logits of the last position of the F chunks that complete their prompts (None if none does).
+
+        Without `with_draft` the draft's cache starts empty: the prompt is its pending input, run with the first
+        draft pass — so a policy that decides not to draft (goodput Tetris, dsd's k = 0) never pays for it. With it
+        (chunked prefill), the draft runs the same chunks now and ends the prompt level with the target.
+        """
+        num_new, tokens, last_rows = ragged_inputs([c.request.prompt_ids[c.start:c.end] for c in chunks])
+        slots = torch.tensor([c.request.slot for c in chunks])
+        first = slots[torch.tensor([c.start == 0 for c in chunks])]
+        self.target_cache.lengths[first] = 0  # a slot handed out again starts empty
         if self.draft_cache is not None:
-            self.draft_cache.lengths[slots] = 0
-        return self._run_target(slots, num_new, tokens, last_rows, stats)
+            self.draft_cache.lengths[first] = 0
+        completes = torch.tensor([c.completes for c in chunks])
+        # Logits only where a prompt ends; chunks that end mid-prompt leave nothing but their cache entries.
+        logits = self._run_target(slots, num_new, tokens, last_rows[completes] if bool(completes.any()) else None,
+                                  stats)
+        if with_draft and self.draft_cache is not None:
+            started = time.perf_counter()
+            self.draft.transformer.forward(self.draft_cache, slots, num_new, tokens, all_logits=False)
+            stats.draft_s += time.perf_counter() - started
+        return logits
+
+    def draft_length(self, request: Request) -> int:
+        """Tokens of the request in the draft's cache (0 without a draft)."""
+        return 0 if self.draft_cache is None else int(self.draft_cache.lengths[request.slot])
 
     def decode(self, active: list[Request], stats: RunStats) -> torch.Tensor:
         """The target on each request's last token. Returns (B, V) logits."""

@@ -25,6 +25,7 @@ class Request:
     arrival_s: float
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
+    num_prefilled: int = 0  # prompt tokens in the target's cache (the scheduler counts them; chunked prefill)
     draft_pending: list[int] = field(default_factory=list)  # committed tokens the draft's cache lacks
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str | None = None  # the output cut before a stop string, once one is hit

@@ -1,21 +1,35 @@
-"""Continuous batching: requests join between steps, every step advances all active requests, finished ones leave.
+"""Continuous batching with chunked prefill: requests join between steps, finished ones leave, long prompts are
+prefilled a chunk at a time while the running requests keep decoding.
 
-`Scheduler` is bookkeeping only (no model, no cache tensors, as nano-vllm's): the waiting queue, the active list
-and the free cache slots. The engine drives it, one step at a time:
+`Scheduler` is bookkeeping only (no model, no cache tensors, as nano-vllm's): the waiting queue, the requests in
+cache slots and the free slots. The engine drives it, one step at a time:
 
-    scheduled = scheduler.schedule()        # admit waiting requests into free slots
-    ...                                     # the engine's model work: prefill the admitted, or advance the active
+    scheduled = scheduler.schedule()        # admit waiting requests into free slots, decide what this step runs
+    ...                                     # the engine's model work: the prefill chunks, or advance `running`
     outputs = scheduler.postprocess(scheduled)  # what each request got; finished ones release their slots
 
-A step either prefills the requests admitted into free slots or, when nobody was admitted, decodes (or runs one
-speculative step for) every active request. Finished requests release their slots at the end of the step that
-finished them; aborted ones at the start of the next step.
+A request admitted into a slot is *prefilling* until its whole prompt is in the target's cache
+(`Request.num_prefilled` counts what is), then *running* (decoding, or speculating). A step is either a prefill
+step, which runs `chunks` of the prefilling requests' prompts, or a decoding / speculative step of every running
+request, never both (the speculative step stays as it is):
+
+- `prefill_chunk=None` (whole prompts): every prefilling request's whole prompt runs in the step that admits it, and
+  the running requests wait for that step.
+- `prefill_chunk=N`: a prefill step runs at most N prompt tokens in all, taken from the prefilling requests in
+  admission order (`plan_chunks`: a long prompt spans several steps, several short ones share one). While some
+  requests prefill and others run, the steps alternate (`prefill_turn`), so every running request advances at
+  least every other step, however long the prompts that arrive.
+
+Only the chunk that completes a prompt takes logits: the engine samples the request's first token there, and the
+request runs from the next step on. Finished requests release their slots at the end of the step that finished
+them; aborted ones (prefilling or running) at the start of the next step.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,28 +50,76 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt positions [start, start + length) of one request, appended to its cache slot by a prefill step."""
+
+    request: Request
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def completes(self) -> bool:
+        """The chunk ends the prompt: its last position's logits give the request's first token."""
+        return self.end == len(self.request.prompt_ids)
+
+
+@dataclass(frozen=True)
 class ScheduledStep:
-    """One step's work: prefill `admitted` (just given slots), or else advance every request in `active`."""
+    """One step's work: run the prefill `chunks`, or else advance every request in `running` by one decoding or
+    speculative step. `admitted`: the requests given slots at this step (their prompts may run in later steps)."""
 
     admitted: list[Request]
-    active: list[Request]
+    chunks: list[PrefillChunk]
+    running: list[Request]
 
     @property
     def prefill(self) -> bool:
-        return bool(self.admitted)
+        return bool(self.chunks)
+
+
+def plan_chunks(remaining: Sequence[int], budget: int | None) -> list[int]:
+    """Prompt tokens each prefilling request runs in a prefill step, given what remains of each prompt (admission
+    order): the first ones whole while the budget lasts, the next one the rest of the budget. Returns a length
+    (>= 1) for each of the first requests that run; None: no budget, every prompt whole."""
+    lengths = []
+    left = budget
+    for tokens in remaining:
+        take = tokens if left is None else min(tokens, left)
+        if take <= 0:
+            break
+        lengths.append(take)
+        if left is not None:
+            left -= take
+    return lengths
+
+
+def prefill_turn(prefilling: bool, running: bool, last_was_prefill: bool, alternate: bool) -> bool:
+    """Whether a step prefills (else it advances the running requests). `alternate` (chunked prefill): never two
+    prefill steps in a row while requests are running; otherwise prompts go first, as soon as they are admitted."""
+    if not prefilling:
+        return False
+    return not (running and alternate and last_was_prefill)
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_request_len: int, seed: int = 0) -> None:
+    def __init__(self, num_slots: int, max_request_len: int, seed: int = 0, prefill_chunk: int | None = None) -> None:
         """`num_slots` requests run at once; a request's prompt + output may reach `max_request_len` tokens; unseeded
-        requests draw their randomness from `seed` and their id."""
+        requests draw their randomness from `seed` and their id; `prefill_chunk`: prompt tokens per prefill step
+        (None: whole prompts, see the module docstring)."""
         self.max_request_len = max_request_len
         self.seed = seed
+        self.prefill_chunk = prefill_chunk
         self._free_slots = list(range(num_slots - 1, -1, -1))  # a stack: the lowest free slot is handed out first
         self.waiting: deque[Request] = deque()
-        self.active: list[Request] = []
-        self._requests: dict[int, Request] = {}  # waiting or active, by id
+        self.prefilling: list[Request] = []  # in slots, prompt not yet all in the cache; admission order
+        self.running: list[Request] = []  # in slots, decoding
+        self._requests: dict[int, Request] = {}  # waiting or in a slot, by id
         self._next_id = 0
+        self._last_was_prefill = False
 
     # --- between steps -------------------------------------------------------------------------------------------
 
@@ -79,7 +141,8 @@ class Scheduler:
         return request_id
 
     def abort(self, request_id: int) -> bool:
-        """Stop a request: a waiting one leaves at once, an active one frees its slot at the next step.
+        """Stop a request: a waiting one leaves at once, one in a slot (prefilling or running) frees it at the next
+        step.
 
         Returns False if the request is unknown or already finished. No StepOutput is reported for it.
         """
@@ -93,14 +156,14 @@ class Scheduler:
         return True
 
     def request(self, request_id: int) -> Request:
-        """A waiting or active request by id."""
+        """A waiting or admitted request by id."""
         try:
             return self._requests[request_id]
         except KeyError:
             raise BatchspecError(f"no waiting or active request with id {request_id}") from None
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(not r.finished for r in self.active)
+        return bool(self.waiting) or any(not r.finished for r in self.prefilling + self.running)
 
     @property
     def num_waiting(self) -> int:
@@ -112,23 +175,41 @@ class Scheduler:
 
     @property
     def num_active(self) -> int:
-        return sum(not r.finished for r in self.active)
+        """Requests holding a slot: prefilling or running."""
+        return sum(not r.finished for r in self.prefilling + self.running)
+
+    @property
+    def num_prefilling(self) -> int:
+        return sum(not r.finished for r in self.prefilling)
 
     # --- the step ------------------------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep | None:
-        """Admit waiting requests into free slots; None when there is nothing to run."""
+        """Admit waiting requests into free slots and decide what this step runs; None when there is nothing."""
         self._retire()  # aborted since the last step
         admitted = self._admit()
-        if not admitted and not self.active:
+        if not self.prefilling and not self.running:
             return None
-        return ScheduledStep(admitted, self.active)
+        if prefill_turn(bool(self.prefilling), bool(self.running), self._last_was_prefill,
+                        alternate=self.prefill_chunk is not None):
+            remaining = [len(r.prompt_ids) - r.num_prefilled for r in self.prefilling]
+            lengths = plan_chunks(remaining, self.prefill_chunk)
+            chunks = [PrefillChunk(r, r.num_prefilled, n) for r, n in zip(self.prefilling, lengths)]
+            scheduled = ScheduledStep(admitted, chunks, [])
+        else:
+            scheduled = ScheduledStep(admitted, [], list(self.running))
+        self._last_was_prefill = scheduled.prefill
+        return scheduled
 
     def postprocess(self, scheduled: ScheduledStep) -> list[StepOutput]:
-        """After the model work: report each request's new tokens, retire the finished ones."""
-        self.active += scheduled.admitted
+        """After the model work: count the prefilled tokens, move completed prompts to running, report each running
+        request's new tokens, retire the finished ones."""
+        for chunk in scheduled.chunks:
+            chunk.request.num_prefilled = chunk.end
+        self.running += [r for r in self.prefilling if r.num_prefilled == len(r.prompt_ids)]
+        self.prefilling = [r for r in self.prefilling if r.num_prefilled < len(r.prompt_ids)]
         outputs = []
-        for request in self.active:
+        for request in self.running:
             new = request.output_ids[request.num_reported:]
             request.num_reported = len(request.output_ids)
             if new or request.finished:
@@ -142,16 +223,15 @@ class Scheduler:
             request = self.waiting.popleft()
             request.slot = self._free_slots.pop()
             admitted.append(request)
+        self.prefilling += admitted
         return admitted
 
     def _retire(self) -> None:
         """Release the slots of finished and aborted requests (both models' caches use the same slot numbers)."""
-        still = []
-        for request in self.active:
+        for request in self.prefilling + self.running:
             if request.finished:
                 self._free_slots.append(request.slot)
-                self._free_slots.sort(reverse=True)
                 self._requests.pop(request.index, None)
-            else:
-                still.append(request)
-        self.active = still
+        self._free_slots.sort(reverse=True)
+        self.prefilling = [r for r in self.prefilling if not r.finished]
+        self.running = [r for r in self.running if not r.finished]

@@ -4,9 +4,11 @@ Endpoints: POST /v1/completions and /v1/chat/completions (`stream: true` gives s
 chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus).
 
 One engine thread (`engine_loop.EngineLoop`) owns the engine; handlers only validate, tokenise and wait on their
-request's stream. Every response carries this request's speculative counters in `usage.spec`. Errors are OpenAI
-JSON (`{"error": {"message", "type", "param", "code"}}`): 400 malformed body or prompt too long for the context,
-404 unknown model or route, 413 body too large, 422 invalid field values, 429 queue full, 503 shutting down.
+request's stream. A completion's list of prompts is one engine request per prompt, a choice each. Every response
+carries the speculative counters in `usage.spec` (a stream: in its one usage chunk, sent only with
+stream_options.include_usage, as OpenAI). Errors are OpenAI JSON (`{"error": {"message", "type", "param", "code"}}`,
+`code` always a string): 400 malformed body, prompt too long for the context, too many prompts or a non-text content
+part, 404 unknown model or route, 413 body too large, 422 invalid field values, 429 queue full, 503 shutting down.
 
 The command line is `batchspec.cli.serve`. FastAPI is imported inside `create_app`, so that other `batchspec`
 commands do not pay for it. (No `from __future__ import annotations` here: FastAPI reads the handlers'
@@ -22,7 +24,8 @@ from batchspec.errors import BatchspecError
 from batchspec.runtime.sampling import SamplingParams
 from batchspec.serving.engine_loop import EngineLoop, QueueFull, ShuttingDown
 from batchspec.serving.errors import APIError, BodyGuard, install_error_handlers
-from batchspec.serving.protocol import SSE_DONE, ChatRequest, CompletionRequest, ResponseFormatter, error_body, sse
+from batchspec.serving.protocol import (SSE_DONE, ChatRequest, CompletionRequest, ResponseFormatter, error_body, sse,
+                                        total_usage)
 from batchspec.weights.known_models import DEFAULT_TARGET, KNOWN_MODELS
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks whether its client is still there
@@ -35,6 +38,11 @@ class ServerConfig:
     max_queue: int = 256  # requests waiting for a slot before 429
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 10.0  # at shutdown, how long in-flight requests may still run
+    # Deadlines and limits of the HTTP connections (`serving.http_server`, `serving.errors.BodyGuard`).
+    header_timeout_s: float = 10.0  # a connection's request head must arrive within this (else 408 / closed)
+    body_timeout_s: float = 30.0  # and its body within this once the head has arrived (else 408)
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 512  # open sockets; one more gets 503 at once
 
 
 def create_app(engine, config: ServerConfig):
@@ -59,8 +67,8 @@ def create_app(engine, config: ServerConfig):
             await asyncio.to_thread(engine_loop.stop, config.drain_timeout_s)
 
     app = FastAPI(title="batchspec", lifespan=lifespan)
-    app.state.engine_loop, app.state.metrics = engine_loop, metrics
-    app.add_middleware(BodyGuard, max_bytes=config.max_body_bytes, metrics=metrics)
+    app.state.engine_loop, app.state.metrics, app.state.config = engine_loop, metrics, config
+    app.add_middleware(BodyGuard, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s, metrics=metrics)
     install_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -111,20 +119,56 @@ async def _generate(engine_loop, config: ServerConfig, body, request, chat: bool
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     _check_model(config, body.model)
-    prompt_ids = await asyncio.to_thread(_encode, engine_loop.engine, body, chat)
-    params = _sampling_params(config, body, len(prompt_ids), chat)
-    try:
-        stream = engine_loop.submit(prompt_ids, params)
-    except QueueFull as full:
-        raise APIError(429, str(full), "rate_limit_error", code="queue_full") from None
-    except ShuttingDown as down:
-        raise APIError(503, str(down), "server_error", code="unavailable") from None
-    fmt = ResponseFormatter(chat, config.model_name)
+    # A completion may hold several prompts: each is its own engine request, and the answer has a choice for each.
+    one_prompt_bodies = [body] if chat else [body.one_prompt(p) for p in _prompts(body, engine_loop.capacity)]
+    prepared = await asyncio.to_thread(_prepare_all, engine_loop.engine, config, one_prompt_bodies, chat)
+    streams = _Streams(_submit_all(engine_loop, prepared))
+    fmt = ResponseFormatter(chat, config.model_name, include_usage=body.stream and body.include_usage)
     if body.stream:
-        return StreamingResponse(_events(fmt, stream, engine_loop, body.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    result = await _collect(fmt, stream, engine_loop, request)
+        return StreamingResponse(_events(fmt, streams, engine_loop), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    result = await _collect(fmt, streams, engine_loop, request)
     return Response(status_code=499) if result is None else JSONResponse(result)
+
+
+def _prompts(body, capacity: int) -> list:
+    """The prompts of a completion request; more than the server holds at once could never all be admitted."""
+    prompts = body.prompts
+    if len(prompts) > capacity:
+        raise APIError(400, f"prompt: a list of {len(prompts)} prompts; this server takes at most {capacity} at once "
+                            f"(its batch plus its queue)", param="prompt", code="too_many_prompts")
+    return prompts
+
+
+def _prepare_all(engine, config: ServerConfig, bodies: list, chat: bool) -> list[tuple[list[int], SamplingParams]]:
+    """(prompt ids, sampling params) of every prompt, all checked before any is submitted (in a worker thread:
+    templating and tokenising long prompts take time). An error names its prompt when there are several."""
+    prepared = []
+    for index, body in enumerate(bodies):
+        try:
+            ids = _encode(engine, body, chat)
+            prepared.append((ids, _sampling_params(config, body, len(ids), chat)))
+        except APIError as err:
+            if len(bodies) > 1:
+                err.message, err.param = f"prompt[{index}]: {err.message}", f"prompt[{index}]"
+            raise
+    return prepared
+
+
+def _submit_all(engine_loop, prepared: list) -> list:
+    """A stream per prompt; if one cannot be queued, the ones already queued are aborted and the whole request
+    fails (429 queue full, 503 shutting down)."""
+    streams = []
+    try:
+        for ids, params in prepared:
+            streams.append(engine_loop.submit(ids, params))
+    except (QueueFull, ShuttingDown) as refused:
+        for stream in streams:
+            engine_loop.abort(stream)
+        if isinstance(refused, QueueFull):
+            raise APIError(429, str(refused), "rate_limit_error", code="queue_full") from None
+        raise APIError(503, str(refused), "server_error", code="unavailable") from None
+    return streams
 
 
 def _encode(engine, body, chat: bool) -> list[int]:
@@ -133,13 +177,13 @@ def _encode(engine, body, chat: bool) -> list[int]:
     if chat:
         messages = [m.as_template_message() for m in body.messages]
         try:
-            ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+            ids = tokenizer.encode_chat(messages)  # contents as plain text: no forged turns
         except BatchspecError as err:
             raise APIError(400, str(err), param="messages") from None
     elif isinstance(body.prompt_value, str):
         if not body.prompt_value:
             raise APIError(400, "prompt is empty", param="prompt")
-        ids = tokenizer.encode(body.prompt_value)
+        ids = tokenizer.encode_text(body.prompt_value)  # "<|im_start|>" here is text; control tokens come as ids
     else:
         ids = list(body.prompt_value)
         vocab = engine.target.config.vocab_size
@@ -171,48 +215,91 @@ def _sampling_params(config: ServerConfig, body, prompt_len: int, chat: bool):
         raise APIError(422, str(err)) from None
 
 
-async def _events(fmt: ResponseFormatter, stream, engine_loop, include_usage: bool):
-    """The SSE body of a streaming request. A client that leaves cancels this generator: the finally aborts."""
+class _Streams:
+    """The request streams of one HTTP request's prompts, read as one: (prompt index, delta) as they arrive."""
+
+    def __init__(self, streams: list) -> None:
+        self.streams = streams
+        self._pending: dict[asyncio.Task, int] = {}  # one waiting `next()` per unfinished stream -> its index
+        for index in range(len(streams)):
+            self._watch(index)
+
+    def _watch(self, index: int) -> None:
+        self._pending[asyncio.ensure_future(self.streams[index].next())] = index
+
+    @property
+    def done(self) -> bool:
+        """Every stream has given its last delta."""
+        return not self._pending
+
+    async def next(self, timeout: float | None = None) -> list[tuple[int, object]]:
+        """The deltas that arrived, by prompt index; [] if none within `timeout` seconds (nothing is lost then)."""
+        arrived, _ = await asyncio.wait(set(self._pending), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        deltas = []
+        for task in arrived:
+            index = self._pending.pop(task)
+            deltas.append((index, task.result()))
+            if not self.streams[index].done:
+                self._watch(index)  # a stream's next delta is awaited only after this one: its order is kept
+        return sorted(deltas, key=lambda pair: pair[0])
+
+    def close(self, engine_loop) -> None:
+        """Stop waiting and abort the requests still running (a client that left, or another prompt failed)."""
+        for task in self._pending:
+            task.cancel()
+        self._pending.clear()
+        for stream in self.streams:
+            engine_loop.abort(stream)
+
+
+async def _events(fmt: ResponseFormatter, streams: _Streams, engine_loop):
+    """The SSE body of a streaming request: each prompt's text chunks and finishing chunk (its `index`), then, with
+    stream_options.include_usage, one chunk with the usage of all. A client that leaves cancels this generator: the
+    finally aborts."""
     try:
         if fmt.chat:
             yield sse(fmt.role_chunk())
-        async for delta in stream:
-            if delta.error is not None:
-                yield sse(error_body(delta.error, "server_error", code=delta.error_code))
-                break
-            if delta.text:
-                yield sse(fmt.chunk(delta.text))
-            if delta.finish_reason is not None:
-                yield sse(fmt.chunk(None, delta.finish_reason, delta.usage))
-                if include_usage:
-                    yield sse(fmt.usage_only(delta.usage))
+        usages = []
+        while not streams.done:
+            for index, delta in await streams.next():
+                if delta.error is not None:
+                    yield sse(error_body(delta.error, "server_error", code=delta.error_code))
+                    yield SSE_DONE
+                    return
+                if delta.text:
+                    yield sse(fmt.chunk(delta.text, index=index))
+                if delta.finish_reason is not None:
+                    yield sse(fmt.chunk(None, delta.finish_reason, index=index))
+                    usages.append(delta.usage)
+        if fmt.include_usage:
+            yield sse(fmt.usage_only(total_usage(usages)))
         yield SSE_DONE
     finally:
-        engine_loop.abort(stream)
+        streams.close(engine_loop)
 
 
-async def _collect(fmt: ResponseFormatter, stream, engine_loop, request) -> dict | None:
-    """The whole answer of a non-streaming request; None if the client went away (the request is aborted)."""
-    parts, checked = [], time.monotonic()
+async def _collect(fmt: ResponseFormatter, streams: _Streams, engine_loop, request) -> dict | None:
+    """The whole answer of a non-streaming request; None if the client went away (its requests are aborted)."""
+    texts: list[list[str]] = [[] for _ in streams.streams]
+    finished: dict[int, tuple[str, dict]] = {}  # prompt index -> (finish_reason, usage)
+    checked = time.monotonic()
     try:
-        while True:
-            try:
-                delta = await asyncio.wait_for(stream.next(), timeout=DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                delta = None
+        while not streams.done:
+            arrived = await streams.next(timeout=DISCONNECT_POLL_S)
             if time.monotonic() - checked >= DISCONNECT_POLL_S:  # deltas may keep coming: check by the clock
                 checked = time.monotonic()
                 if await request.is_disconnected():
                     return None
-            if delta is None:
-                continue
-            if delta.error is not None:
-                raise APIError(delta.error_status, delta.error, "server_error", code=delta.error_code)
-            parts.append(delta.text)
-            if delta.finish_reason is not None:
-                return fmt.whole("".join(parts), delta.finish_reason, delta.usage)
+            for index, delta in arrived:
+                if delta.error is not None:
+                    raise APIError(delta.error_status, delta.error, "server_error", code=delta.error_code)
+                texts[index].append(delta.text)
+                if delta.finish_reason is not None:
+                    finished[index] = (delta.finish_reason, delta.usage)
+        outputs = [("".join(parts), finished[index][0]) for index, parts in enumerate(texts)]
+        return fmt.whole(outputs, total_usage([usage for _, usage in finished.values()]))
     finally:
-        engine_loop.abort(stream)
+        streams.close(engine_loop)
 
 
 # --- the model id clients send ----------------------------------------------------------------------------------------

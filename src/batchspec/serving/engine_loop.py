@@ -73,6 +73,10 @@ class RequestStream:
         return await self.next()
 
 
+CANCELLED = Delta("", error="the server is shutting down; the request was cancelled", error_status=503,
+                  error_code="cancelled")
+
+
 @dataclass
 class _Tracked:
     stream: RequestStream
@@ -81,7 +85,7 @@ class _Tracked:
 
 @dataclass
 class _Command:
-    kind: str  # "add" | "abort" | "stop"
+    kind: str  # "add" | "abort" | "cancel" (every request in flight) | "stop"
     stream: RequestStream | None = None
     prompt_ids: list[int] = field(default_factory=list)
     params: SamplingParams | None = None
@@ -137,10 +141,27 @@ class EngineLoop:
         if not stream.done:
             self._inbox.put(_Command("abort", stream))
 
-    def stop(self, drain_timeout_s: float = 0.0) -> None:
-        """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, cancel the rest, join."""
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet answered (finished, failed, cancelled or aborted)."""
+        return self._in_flight
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def refuse_new(self) -> None:
+        """From now on `submit` raises ShuttingDown (503); requests in flight go on."""
         with self._lock:
             self._accepting = False
+
+    def cancel_all(self) -> None:
+        """End every request in flight with a 503 error delta, after the engine's current step."""
+        self._inbox.put(_Command("cancel"))
+
+    def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Refuse new requests, let in-flight ones finish for up to `drain_timeout_s`, cancel the rest, join."""
+        self.refuse_new()
         deadline = time.monotonic() + drain_timeout_s
         while self._in_flight and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
@@ -167,8 +188,7 @@ class EngineLoop:
             with self._lock:
                 self._accepting = False
         finally:
-            self._fail_all(Delta("", error="the server is shutting down; the request was cancelled", error_status=503,
-                                 error_code="cancelled"), "cancelled")
+            self._fail_all(CANCELLED, "cancelled")
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one when idle). False once told to stop."""
@@ -177,7 +197,10 @@ class EngineLoop:
             while True:
                 if command.kind == "stop":
                     return False
-                self._apply(command)
+                if command.kind == "cancel":
+                    self._fail_all(CANCELLED, "cancelled")
+                else:
+                    self._apply(command)
                 command = self._inbox.get_nowait()
         except queue.Empty:
             return True
@@ -199,8 +222,7 @@ class EngineLoop:
         self._snapshot()
 
     def _step(self) -> None:
-        scheduler, stats = self.engine.scheduler, self.engine.stats
-        running, waiting = scheduler.num_active, scheduler.num_waiting
+        stats = self.engine.stats
         before = (stats.verified, stats.accepted, stats.request_steps, stats.step_emitted)
         started = time.perf_counter()
         try:
@@ -212,11 +234,12 @@ class EngineLoop:
             self._open()
             return
         elapsed = time.perf_counter() - started
-        admitted = waiting - scheduler.num_waiting
-        if self.metrics is not None:
+        step = self.engine.last_step  # None when there was nothing to run
+        if self.metrics is not None and step is not None:
             after = (stats.verified, stats.accepted, stats.request_steps, stats.step_emitted)
-            self.metrics.observe_step(elapsed, "prefill" if admitted else "decode", admitted or running,
-                                      *(a - b for a, b in zip(after, before)))
+            # A prefill step's batch is the prompts it ran (whole or a chunk each), a decode step's the running ones.
+            phase, batch = ("prefill", len(step.chunks)) if step.prefill else ("decode", len(step.running))
+            self.metrics.observe_step(elapsed, phase, batch, *(a - b for a, b in zip(after, before)))
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is not None:

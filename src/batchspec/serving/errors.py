@@ -1,13 +1,17 @@
 """Errors of `batchspec serve` as OpenAI JSON, and the guard in front of every request (body size, HTTP metrics).
 
 Every failure a client can cause is a 4xx with `{"error": {"message", "type", "param", "code"}}` and a message that
-names the field and what was wrong: 400 for a body that is not a JSON object (or not UTF-8), 413 for a body over the
-limit, 422 for fields of the wrong type or out of range. FastAPI's own 422 format is replaced.
+names the field and what was wrong: 400 for a body that is not a JSON object (or not UTF-8), or that holds a number
+too long to read, or a content part that is not text; 413 for a body over the limit, 422 for fields of the wrong
+type or out of range. FastAPI's own 422 format is replaced. `code` is always a string (clients branch on it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
+import time
 
 from batchspec.serving.protocol import error_body
 
@@ -30,7 +34,8 @@ def install_error_handlers(app) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request, err: APIError):
-        return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status)
+        code = err.code or _status_code_name(err.status)
+        return JSONResponse(error_body(err.message, err.type, err.param, code), status_code=err.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, err: RequestValidationError):
@@ -43,6 +48,10 @@ def install_error_handlers(app) -> None:
         if err.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         elif err.status_code == 400 and "parsing the body" in message:
+            if _number_too_long(err.__cause__):
+                return JSONResponse(error_body(
+                    f"the request body holds a number with more than {_MAX_DIGITS} digits; no field takes a number "
+                    f"that long", code="number_too_long"), status_code=400)
             message = "the request body could not be read as JSON (it must be a UTF-8 encoded JSON object)"
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
         return JSONResponse(error_body(message, kind, code=_status_code_name(err.status_code)),
@@ -57,6 +66,9 @@ def install_error_handlers(app) -> None:
 def validation_error(errors: list[dict]) -> tuple[int, dict]:
     """(status, OpenAI error body) for pydantic/FastAPI validation errors of a request body."""
     for e in errors:
+        if e["type"] == "unsupported_content_part":  # valid OpenAI, but not for this model: 400, as OpenAI and vLLM
+            param = f"{_param(e['loc'])}[{e['ctx']['index']}]"
+            return 400, error_body(f"{param}: {e['msg']}", param=param, code="unsupported_content")
         if e["type"] == "json_invalid":
             position = e["loc"][1] if len(e["loc"]) > 1 else "?"
             reason = (e.get("ctx") or {}).get("error", "malformed JSON")
@@ -111,18 +123,32 @@ def _json_type(value) -> str:
 
 
 def _status_code_name(status: int) -> str:
-    return {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+    """The error code of a failure that gave none."""
+    return {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+            422: "invalid_value", 429: "rate_limit_exceeded", 500: "internal_error", 503: "unavailable"}.get(
         status, f"http_{status}")
 
 
-class BodyGuard:
-    """ASGI middleware: refuses bodies over `max_bytes` with 413 and counts every response in the metrics.
+_MAX_DIGITS = sys.get_int_max_str_digits()
 
-    Reads the body up front (it is bounded) and hands it on whole, so FastAPI never sees an oversize request.
+
+def _number_too_long(cause: BaseException | None) -> bool:
+    """FastAPI could not parse the body because json.loads met an integer over Python's int-string conversion limit
+    (4,300 digits): valid JSON, whose number no field could take anyway."""
+    return isinstance(cause, ValueError) and "integer string conversion" in str(cause)
+
+
+class BodyGuard:
+    """ASGI middleware: refuses bodies over `max_bytes` with 413, bodies that do not arrive whole within `timeout_s`
+    with 408 (a client that stops sending, a body shorter than its Content-Length, a chunked body that never ends),
+    and counts every response in the metrics.
+
+    Reads the body up front (it is bounded in size and time) and hands it on whole, so FastAPI never sees an oversize
+    or unfinished request.
     """
 
-    def __init__(self, app, max_bytes: int, metrics=None) -> None:
-        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+    def __init__(self, app, max_bytes: int, timeout_s: float = 30.0, metrics=None) -> None:
+        self.app, self.max_bytes, self.timeout_s, self.metrics = app, max_bytes, timeout_s, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -159,8 +185,13 @@ class BodyGuard:
             if int(declared) > self.max_bytes:
                 return b"", self._too_large(int(declared))
         chunks, size = [], 0
+        deadline = time.monotonic() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return b"", (408, error_body(f"the request body did not arrive within {self.timeout_s:g} s "
+                                             f"({size} bytes received)", code="request_timeout"))
             if message["type"] == "http.disconnect":
                 break
             chunks.append(message.get("body", b""))
@@ -177,7 +208,11 @@ class BodyGuard:
 
 
 async def _send_json(send, status: int, body: dict) -> None:
+    """A whole JSON response to a request whose body was not read whole. After a 413 uvicorn reads and drops the rest
+    of the body (the client may still be sending it; the connection's header deadline bounds how long); after a 400
+    (no framing to trust) or a 408 (the client stopped sending) the connection closes."""
     payload = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+                "headers": headers + ([(b"connection", b"close")] if status in (400, 408) else [])})
     await send({"type": "http.response.body", "body": payload})

@@ -3,6 +3,8 @@
 Only what changes the output is accepted: fields this engine cannot honour (n > 1, logprobs, echo, penalties,
 tools, ...) are refused with a message naming them, not silently ignored. Unknown fields are ignored, as the
 OpenAI clients send a few optional ones. Types are strict: "5" is not an integer and 1.5 is not a string.
+Content parts other than text (images, audio, files) get one `unsupported_content_part` error, which
+`serving.errors` answers with 400, as OpenAI and vLLM answer an image sent to a text-only model.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      ValidationInfo, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
@@ -85,29 +89,54 @@ class SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt_shape(prompt):
+    """One error for a prompt of none of OpenAI's four shapes, not one per shape it failed to be."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and (
+            all(_is_id(p) for p in prompt) or all(isinstance(p, str) for p in prompt)
+            or all(isinstance(p, list) and all(_is_id(t) for t in p) for p in prompt))):
+        return prompt
+    raise ValueError("must be a string, an array of token ids, an array of strings (one choice each) or an array of "
+                     "token-id arrays (one choice each)")
+
+
 class CompletionRequest(SamplingFields):
-    # One prompt per request: a string, a list holding one string, or token ids.
-    prompt: Text | list[StrictInt] | list[Text]
+    # A prompt is text or token ids; a list of them (strings, or lists of ids) asks for one choice per prompt.
+    prompt: Annotated[Text | list[StrictInt] | Annotated[list[Text], Field(min_length=1)]
+                      | Annotated[list[list[StrictInt]], Field(min_length=1)], BeforeValidator(_prompt_shape)]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: Text | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self):
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError(f"prompt: this server takes one prompt per request (got a list of {len(self.prompt)})")
+    def _supported_completion(self):
         if self.echo or self.logprobs is not None or self.suffix is not None or self.best_of not in (None, 1):
             raise ValueError("echo, logprobs, suffix and best_of are not supported")
         return self
 
     @property
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt, as text or token ids, in choice order; one prompt (text or ids) is a list of one."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):  # [] is one (empty) id prompt
+            return [prompt]
+        return list(prompt)
+
+    def one_prompt(self, prompt: str | list[int]) -> CompletionRequest:
+        """This request with only `prompt` (one of `prompts`): each prompt is tokenised and run on its own."""
+        return self.model_copy(update={"prompt": prompt})
+
+    @property
     def prompt_value(self) -> str | list[int]:
-        """The prompt as text or as token ids."""
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]
-        return self.prompt
+        """The prompt of a one-prompt request (see `one_prompt`) as text or token ids."""
+        prompts = self.prompts
+        if len(prompts) != 1:
+            raise ValueError(f"prompt_value of a request with {len(prompts)} prompts; split it with one_prompt")
+        return prompts[0]
 
 
 class TextPart(BaseModel):
@@ -116,14 +145,42 @@ class TextPart(BaseModel):
     text: Text
 
 
+def _text_parts_only(content):
+    """Refuses a content part that is not text (image_url, input_audio, file, ...) with one error naming it, before
+    the union below would report every way the whole list fails to be a string or a list of text parts."""
+    if isinstance(content, list):
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError("unsupported_content_part",
+                                          "unsupported content part type {kind}; this server takes text parts only",
+                                          {"kind": repr(kind), "index": index})
+    return content
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    # null (or no content) only for an assistant message: clients replay those after tool calls.
+    content: Annotated[Text | Annotated[list[TextPart], Field(min_length=1)] | None,
+                       BeforeValidator(_text_parts_only)] = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content, info: ValidationInfo):
+        role = info.data.get("role")  # absent when the role itself was invalid: that error is reported instead
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or a list of text parts); "
+                             f"only assistant messages may have null content")
+        return content
 
     def as_template_message(self) -> dict[str, str]:
-        """{"role", "content"} for the chat template; developer messages are system messages to these models."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """{"role", "content"} for the chat template; developer messages are system messages to these models, null
+        content is empty text."""
+        if self.content is None:
+            text = ""
+        else:
+            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
@@ -151,7 +208,12 @@ class ChatRequest(SamplingFields):
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error body. `code` is never null: clients branch on it, so a caller without one gets its type's."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code or _DEFAULT_CODES.get(type, type)}}
+
+
+_DEFAULT_CODES = {"invalid_request_error": "invalid_request", "server_error": "internal_error",
+                  "rate_limit_error": "rate_limit_exceeded"}
 
 
 def sse(body: dict) -> str:
@@ -162,45 +224,70 @@ def sse(body: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-class ResponseFormatter:
-    """The response body, or the stream chunks, of one request to either endpoint.
+def total_usage(usages: list[dict]) -> dict:
+    """The usage of a request with several prompts: token counts and speculative counters add up, the two ratios
+    are recomputed from the sums (tokens emitted per target step: mean_accepted_length x target_steps each)."""
+    if len(usages) == 1:
+        return usages[0]
+    total = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    specs = [u["spec"] for u in usages]
+    counters = {key: sum(s[key] for s in specs) for key in ("drafted_tokens", "verified_tokens", "accepted_tokens")}
+    steps = sum(s["target_steps"] for s in specs)
+    step_tokens = sum(round(s["mean_accepted_length"] * s["target_steps"]) for s in specs if s["target_steps"])
+    verified = counters["verified_tokens"]
+    spec = {"policy": specs[0]["policy"], **counters,
+            "acceptance_rate": counters["accepted_tokens"] / verified if verified else None,
+            "mean_accepted_length": step_tokens / steps if steps else None, "target_steps": steps}
+    return {**total, "spec": spec}
 
-    `usage` is OpenAI's (prompt_tokens, completion_tokens, total_tokens) plus `spec`: this request's speculative
-    counters (`request.spec_metrics` and the policy). A stream's finishing chunk always carries it; with
-    stream_options.include_usage a usage-only chunk (no choices) follows, as OpenAI sends it.
+
+class ResponseFormatter:
+    """The response body, or the stream chunks, of one request to either endpoint (one choice per prompt).
+
+    `usage` is OpenAI's (prompt_tokens, completion_tokens, total_tokens) plus `spec`: the speculative counters of the
+    request (`request.spec_metrics` and the policy; summed over prompts by `total_usage`). A response body always
+    has it. A stream has it as OpenAI sends it: only with stream_options.include_usage, and then once, in a last
+    chunk with no choices (`usage_only`), every other chunk carrying `"usage": null`; so a client that adds up the
+    usage of every chunk counts each token once.
     """
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
         self.chat, self.model, self.created = chat, model, int(time.time())
+        self.include_usage = include_usage  # a stream with stream_options.include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
-    def _envelope(self, object_name: str, choices: list[dict], usage: dict | None) -> dict:
+    def _envelope(self, object_name: str, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
-        if usage is not None:
+        if usage is not None or self.include_usage:
             body["usage"] = usage
         return body
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(self, outputs: list[tuple[str, str]], usage: dict) -> dict:
+        """The response body: outputs are (text, finish_reason) in prompt order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                      "logprobs": None}
-            return self._envelope("chat.completion", [choice], usage)
-        return self.chunk(text, finish_reason, usage)  # a completion and its chunks have the same shape
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                        "logprobs": None} for i, (text, reason) in enumerate(outputs)]
+            return self._envelope("chat.completion", choices, usage)
+        choices = [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+                   for i, (text, reason) in enumerate(outputs)]
+        return self._envelope("text_completion", choices, usage)  # the same shape as a stream's chunks
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, usage: dict | None = None) -> dict:
-        """text None: no content (the finishing chunk of a chat stream has an empty delta)."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, index: int = 0) -> dict:
+        """Output of the prompt `index`; text None: no content (the finishing chunk of a chat stream has an empty
+        delta)."""
         if not self.chat:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
-            return self._envelope("text_completion", [choice], usage)
+            choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+            return self._envelope("text_completion", [choice])
         delta = {} if text is None else {"content": text}
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        return self._envelope("chat.completion.chunk", [choice], usage)
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return self._envelope("chat.completion.chunk", [choice])
 
     def role_chunk(self) -> dict:
         """The first chunk of a chat stream."""
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
-        return self._envelope("chat.completion.chunk", [choice], None)
+        return self._envelope("chat.completion.chunk", [choice])
 
     def usage_only(self, usage: dict) -> dict:
+        """The last chunk of a stream with stream_options.include_usage: the whole request's usage, no choices."""
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], usage)

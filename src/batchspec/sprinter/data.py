@@ -102,7 +102,7 @@ def encode_fitting(tokenizer, prompts: list[str], count: int, limit: int) -> tup
     texts, ids = [], []
     for prompt in prompts:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        tokens = tokenizer.encode(text)
+        tokens = tokenizer.encode_user_message(prompt)  # the prompt's own text stays text
         if 0 < len(tokens) <= limit:
             texts.append(text)
             ids.append(tokens)
