@@ -1,7 +1,8 @@
 """Load test of `batchspec serve`: N concurrent streaming clients for T seconds, per policy, in one run.
 
     python benchmarks/serve_load.py [--clients 64] [--duration 60] [--policies ar,tetris] [--max-tokens 64]
-                                    [--target default] [--draft default] [--max-batch-size 16] [--out FILE]
+                                    [--target default] [--draft default] [--target-dtype float32]
+                                    [--draft-dtype auto] [--max-batch-size 16] [--out FILE]
                                     [--workload chat|mixed] [--prefill-chunk 256] [--long-every 10]
                                     [--long-tokens 1900] [--long-max-tokens 16]
 
@@ -287,9 +288,10 @@ def start_server(args: argparse.Namespace, policy: str, port: int, prefill_chunk
     command = [sys.executable, "-m", "batchspec.cli", "serve", "--target", args.target, "--policy", policy,
                "-k", str(args.k), "--extra", str(args.extra), "--max-batch-size", str(args.max_batch_size),
                "--max-queue", str(max(args.clients, 1) + 64), "--port", str(port), "--served-model-name", "bench",
-               "--prefill-chunk", str(prefill_chunk), "--log-level", "warning", "--shutdown-timeout", "5"]
+               "--prefill-chunk", str(prefill_chunk), "--log-level", "warning", "--shutdown-timeout", "5",
+               "--target-dtype", args.target_dtype]
     if policy != "ar":
-        command += ["--draft", args.draft]
+        command += ["--draft", args.draft, "--draft-dtype", args.draft_dtype]
     server = subprocess.Popen(command)
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:
@@ -399,6 +401,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--target", default="default")
     parser.add_argument("--draft", default="default")
+    parser.add_argument("--target-dtype", default="float32", help="the target's weights (as serve's --target-dtype)")
+    parser.add_argument("--draft-dtype", default="auto", help="the draft's weights (as serve's --draft-dtype)")
     parser.add_argument("-k", "--k", type=int, default=4)
     parser.add_argument("--extra", type=int, default=2)
     parser.add_argument("--max-batch-size", type=int, default=16)
