@@ -12,7 +12,7 @@ from batchspec.spec.verifier import FEATURE_SETS, LABELS, load_verifier, save_ve
 
 
 def add_sprinter_parser(subparsers) -> argparse.ArgumentParser:
-    from batchspec.runtime.precision import DTYPE_CHOICES
+    from batchspec.runtime.precision import DTYPE_CHOICES, PRECISIONS
     from batchspec.sprinter.data import CollectConfig
     from batchspec.sprinter.train import TrainConfig
 
@@ -27,6 +27,9 @@ def add_sprinter_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--draft-dtype", default=d.draft_dtype, choices=DTYPE_CHOICES,
                    help="the draft's float type, as the engine will run it (auto: bfloat16 on CPUs with native "
                         "bfloat16, else float32)")
+    c.add_argument("--target-dtype", default=d.target_dtype, choices=PRECISIONS,
+                   help=f"the target's weights, as the engine will run it: its greedy answers label the data "
+                        f"({d.target_dtype})")
     c.add_argument("--prompts", default=d.prompts, help="stdlib (default) | jsonl:PATH | sharegpt:PATH")
     c.add_argument("--num-prompts", type=int, default=d.num_prompts, help=f"prompts ({d.num_prompts})")
     c.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"target answer tokens ({d.max_tokens})")
@@ -72,11 +75,11 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from batchspec.cli.options import resolve_draft
     from batchspec.sprinter.data import CollectConfig, run_collect
 
-    cfg = CollectConfig(target=args.target, draft=resolve_draft(args.draft), prompts=args.prompts,
+    cfg = CollectConfig(target=args.target, draft=resolve_draft(args.draft, args.target), prompts=args.prompts,
                         num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                         max_prompt_tokens=args.max_prompt_tokens, shard_size=args.shard_size,
                         batch_size=args.batch_size, seed=args.seed, val_fraction=args.val_fraction,
-                        draft_dtype=args.draft_dtype)
+                        draft_dtype=args.draft_dtype, target_dtype=args.target_dtype)
     out = Path(args.out).expanduser()
     summary = run_collect(cfg, out, resume=args.resume, progress=not args.no_progress and sys.stderr.isatty())
     print(f"{summary['positions']} draft positions ({summary['train_positions']} train, {summary['val_positions']} "

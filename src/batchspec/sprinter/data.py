@@ -52,6 +52,7 @@ class CollectConfig:
     seed: int = 1000  # distill uses seed 0: other stdlib functions
     val_fraction: float = 0.1
     draft_dtype: str = "auto"  # as the engine runs the draft (`precision.resolve_dtype`): same features as at use
+    target_dtype: str = "float32"  # as the engine will run the target: its greedy answers are the labels
 
     def validate(self) -> None:
         for name in ("num_prompts", "max_tokens", "max_prompt_tokens", "shard_size", "batch_size"):
@@ -153,7 +154,8 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
 
     cfg.validate()
     old = _previous_meta(out, cfg, resume)
-    target, draft = load_model(cfg.target), load_model(cfg.draft, dtype=resolve_dtype(cfg.draft_dtype))
+    target = load_model(cfg.target, dtype=cfg.target_dtype)
+    draft = load_model(cfg.draft, dtype=resolve_dtype(cfg.draft_dtype))
     check_draft_compatible(target, draft)
     limit = min(cfg.max_prompt_tokens, target.config.max_position_embeddings - cfg.max_tokens,
                 draft.config.max_position_embeddings - cfg.max_tokens)
@@ -168,6 +170,7 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
     # `auto` resolves per machine (`precision.resolve_dtype`): record what the features were computed in.
     meta = {"format": DATA_FORMAT, "config": asdict(cfg), "draft": model_identity(draft),
             "draft_dtype": dtype_name(draft.transformer.dtype), "target": model_identity(target),
+            "target_dtype": cfg.target_dtype,
             "prompt_source": cfg.prompts if prompts is None else "given by the caller",
             "val_prompts": validation_prompts(cfg.num_prompts, cfg.val_fraction, cfg.seed),
             "approximation": "one-token-ahead: every draft proposal follows the target's own greedy prefix"}
@@ -177,6 +180,10 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
     if old is not None and old.get("draft_dtype", meta["draft_dtype"]) != meta["draft_dtype"]:
         raise BatchspecError(f"--resume would compute the draft's features in {meta['draft_dtype']}, but the data in "
                              f"{out} was collected in {old['draft_dtype']}: pass --draft-dtype {old['draft_dtype']}")
+    if old is not None and old.get("target_dtype", "float32") != cfg.target_dtype:
+        raise BatchspecError(f"--resume would label with the target in {cfg.target_dtype}, but the data in {out} was "
+                             f"collected with it in {old.get('target_dtype', 'float32')}: pass --target-dtype "
+                             f"{old.get('target_dtype', 'float32')}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
