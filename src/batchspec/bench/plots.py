@@ -206,22 +206,28 @@ def plot_position_acceptance(results: dict, path: Path) -> Path | None:
 
 
 def plot_speed_quality(results: dict, path: Path) -> Path | None:
-    """SPRINTER's trade-off: throughput against match with the target-only output, one point per tau."""
+    """SPRINTER's trade-off, one point per tau: throughput against HumanEval pass@1 (with `--quality humaneval`: does
+    the code still work?), else against match with the target-only output."""
     plt = _pyplot()
-    runs = [r for r in results["runs"] if r["policy"] == "sprinter" and r.get("match_ar") is not None]
+    quality = "pass_at_1" if any(r.get("pass_at_1") is not None for r in results["runs"]) else "match_ar"
+    runs = [r for r in results["runs"] if r["policy"] == "sprinter" and r.get(quality) is not None]
     if not runs:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, run in enumerate(sorted(runs, key=lambda r: r.get("tau") or 0.0)):
-        ax.scatter(run["match_ar"], run["tokens_per_s"], color=_color("sprinter"))
+        ax.scatter(run[quality], run["tokens_per_s"], color=_color("sprinter"))
         # Neighbouring taus often land close together: their labels alternate above and below the point.
-        ax.annotate(f"tau={run.get('tau')}", (run["match_ar"], run["tokens_per_s"]), fontsize=8,
+        ax.annotate(f"tau={run.get('tau')}", (run[quality], run["tokens_per_s"]), fontsize=8,
                     xytext=(4, 4 if i % 2 == 0 else -11), textcoords="offset points")
-    for policy in ("ar", "sd", "tetris"):
-        speeds = [r["tokens_per_s"] for r in results["runs"] if r["policy"] == policy]
-        if speeds:
-            ax.axhline(statistics.median(speeds), color=_color(policy), linestyle="--", label=f"{policy} (lossless)")
-    ax.set_xlabel("match_ar (share of outputs identical to the target-only greedy output)")
+    for policy in ("ar", "sd", "dsd", "tetris"):
+        mine = [r for r in results["runs"] if r["policy"] == policy]
+        if mine:
+            ax.axhline(statistics.median(r["tokens_per_s"] for r in mine), color=_color(policy), linestyle="--",
+                       label=f"{policy} (lossless)")
+            if quality == "pass_at_1" and policy == "ar":
+                ax.axvline(mine[0]["pass_at_1"], color=_color("ar"), linestyle=":", label="ar pass@1")
+    ax.set_xlabel("HumanEval pass@1 (share of tasks whose tests pass)" if quality == "pass_at_1" else
+                  "match_ar (share of outputs identical to the target-only greedy output)")
     ax.set_ylabel("throughput (output tokens / s)")
     ax.set_xlim(-0.02, 1.02)
     ax.grid(alpha=0.3)

@@ -13,6 +13,7 @@ TABLE_FIELDS = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "s
                 "draft_tokens", "oracle_fraction", "match_ar", "select_us_per_step")
 HISTORIES = ("window_history", "request_windows")  # per step: in results.json, not in the csv
 QUALITY_FIELDS = ("rouge_l_ar", "target_nll")  # lossy runs only (sprinter), and ar for reference
+CORRECTNESS_FIELDS = ("pass_at_1",)  # every run, with --quality humaneval
 POINT_FIELDS = ("batch_size", "k", "extra", "capacity", "tau", "tetris_scores", "prune_drafts")
 
 
@@ -29,7 +30,7 @@ def summary_rows(results: dict) -> list[dict]:
     rows = []
     for (point, policy), runs in groups.items():
         row = {"policy": policy, "point": point}
-        for name in TABLE_FIELDS + QUALITY_FIELDS:
+        for name in TABLE_FIELDS + QUALITY_FIELDS + CORRECTNESS_FIELDS:
             values = [r[name] for r in runs if r.get(name) is not None]
             row[name] = statistics.median(values) if values else None
         rows.append(row)
@@ -62,6 +63,8 @@ def format_table(results: dict) -> str:
         lines += [f"{r['policy']:>15} " + " ".join(_cell(r[name]) for name in TABLE_FIELDS) for r in group]
         lines += [f"quality {r['policy']}: ROUGE-L vs ar {_cell(r['rouge_l_ar']).strip()}, target NLL/token "
                   f"{_cell(r['target_nll']).strip()}" for r in group if r.get("target_nll") is not None]
+        passing = [f"{r['policy']} {r['pass_at_1']:.3f}" for r in group if r.get("pass_at_1") is not None]
+        lines += ["HumanEval pass@1: " + ", ".join(passing)] if passing else []
         speed = {r["policy"]: r["tokens_per_s"] for r in group if r["tokens_per_s"]}
         if "tetris" in speed:
             ratios = [f"tetris/{p} = {speed['tetris'] / speed[p]:.3f}" for p in ("sd", "dsd", "ar") if p in speed]
@@ -82,10 +85,20 @@ def format_table(results: dict) -> str:
     if ratio:
         lines.append(ratio)
     lines += results["config"].get("baseline_notes") or []
+    lines += pass_at_1_check_lines(results.get("pass_at_1_check"))
     skipped = results["config"].get("skipped_prompts")
     if skipped:
         lines.append(f"skipped {skipped} prompt(s) longer than the context window")
     return "\n".join(lines)
+
+
+def pass_at_1_check_lines(check: dict | None) -> list[str]:
+    """The harness check of --quality humaneval: lossless runs with ar's outputs must have ar's pass@1."""
+    if not check:
+        return []
+    if check["ok"]:
+        return [f"pass@1 check: ok ({check['checked_runs']} lossless runs with ar's outputs have ar's pass@1)"]
+    return [f"WARNING: pass@1 check failed, the harness is broken: {m}" for m in check["mismatches"]]
 
 
 def mean_windows_by_kind(results: dict, point: str) -> dict[str, dict[str, float]]:
@@ -154,7 +167,7 @@ def write_results(results: dict, out_dir: Path, plots: bool = True) -> list[Path
     """results.json, results.csv (one line per run and baseline) and, with `plots`, PNGs under plots/."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-    flat = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in run.items() if k not in HISTORIES}
+    flat = [{k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in run.items() if k not in HISTORIES}
             for run in results["runs"] + results.get("baselines", [])]
     fields = list(dict.fromkeys(k for row in flat for k in row))
     with open(out_dir / "results.csv", "w", newline="") as f:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from batchspec.bench.baselines import ALL_PROMPTS, check_baselines, run_baseline, unavailable_reason
+from batchspec.bench.humaneval import add_pass_at_1
 from batchspec.bench.report import (HISTORIES, POINT_FIELDS, TABLE_FIELDS, format_table, summary_rows,  # noqa: F401
                                    write_results)
 from batchspec.datasets.prompts import (humaneval_chat_prompt, humaneval_prompts, interleave, load_prompts_file,
@@ -52,6 +53,7 @@ class BenchConfig:
     sweep: dict[str, tuple] = field(default_factory=dict)  # axis (POINT_FIELDS) -> values
     baselines: tuple[str, ...] = ()  # baselines.BASELINES
     baseline_prompts: int = 4  # prompts for the (slow) batch-1 baselines; hf_generate uses all
+    quality: str | None = None  # "humaneval": run every output's HumanEval tests (pass_at_1 per run)
 
     def validate(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
@@ -75,6 +77,10 @@ class BenchConfig:
             if not values or min(values) < (1 if axis in ("batch_size", "k") else 0):
                 raise BatchspecError(f"--sweep {axis}: values must be {'>= 1' if axis in ('batch_size', 'k') else '>= 0'}")
         check_baselines(self.baselines)
+        if self.quality not in (None, "humaneval"):
+            raise BatchspecError(f"unknown --quality {self.quality!r}; valid: humaneval")
+        if self.quality == "humaneval" and self.dataset != "humaneval":
+            raise BatchspecError(f"--quality humaneval needs --dataset humaneval, not {self.dataset}")
         if self.baselines and self.max_tokens is None:
             raise BatchspecError("--baselines needs a fixed --max-tokens (not auto)")
         if self.record_trace and (not self.spec.measure_oracle or trace_policy(self.policies) is None):
@@ -258,6 +264,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                           "prompt_kinds": kinds,
                           "peak_rss_mib": peak_rss_mib(), "baseline_notes": baseline_notes},
                "runs": runs, "baselines": baselines}
+    if config.quality == "humaneval":  # every run, lossless ones too: the harness check compares them with ar's
+        results["pass_at_1_check"] = add_pass_at_1(runs, texts, prompts, progress=progress, log=log)  # untimed
     if recorder is not None:
         _save_trace(recorder, traced_requests, results)
     return results

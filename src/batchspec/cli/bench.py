@@ -42,6 +42,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench.add_argument("--baseline-prompts", type=positive_int, default=4,
                        help="prompts for the slow batch-1 baselines, hf_generate_b1 and hf_assisted_b1 (default 4; "
                             "hf_generate and llama_cpp_b1 use all)")
+    bench.add_argument("--quality", choices=("humaneval",), default=None,
+                       help="humaneval: run every output's HumanEval tests in sandboxed processes after the measured "
+                            "runs and report pass_at_1 per policy (needs --dataset humaneval)")
     bench.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
     bench.add_argument("--record-trace", default=None, metavar="FILE",
                        help="write an acceptance trace for `batchspec sim` (implies --measure-oracle); it records "
@@ -66,7 +69,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed, trials=args.trials,
                          chat=not args.no_chat, record_trace=args.record_trace, sweep=parse_sweep(args.sweep),
                          baselines=baselines,
-                         baseline_prompts=args.baseline_prompts)
+                         baseline_prompts=args.baseline_prompts, quality=args.quality)
     config.validate()  # every policy name known before policy_class asks
     needs_draft = any(policy_class(p).speculative for p in policies) or "hf_assisted_b1" in baselines
     target = load_model(args.target, dtype=args.target_dtype)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -190,7 +192,7 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
     engine = Engine(target, max_batch_size=cfg.batch_size, seed=cfg.seed)
     params = SamplingParams(max_tokens=cfg.max_tokens)  # greedy
     shards = range(math.ceil(cfg.num_prompts / cfg.shard_size))
-    skipped = 0
+    skipped, started = 0, time.perf_counter()
     for index in tqdm(shards, desc="sprinter collect", unit="shard", disable=not progress):
         path = out / f"shard-{index:05d}.safetensors"
         if path.is_file():
@@ -201,6 +203,9 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
         answers = [o.token_ids for o in engine.generate(texts[part], params, chat=False)]
         pairs = list(zip(prompt_ids[part], answers))
         save_atomically(shard_records(target, draft, pairs, part.start), path)  # all of a shard or none
+        if not progress:  # output going to a file still shows progress: a line per shard
+            print(f"sprinter collect: shard {index + 1}/{len(shards)} written ({time.perf_counter() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
     data = load_data(out)
     meta["summary"] = {"shards": len(shards), "shards_skipped": skipped, "positions": data.num_rows,
                        "train_positions": int((~data.val).sum()), "val_positions": int(data.val.sum()),
