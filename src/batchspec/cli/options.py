@@ -80,16 +80,19 @@ def spec_config(args: argparse.Namespace):
 
     return SpecConfig(policy=getattr(args, "policy", "ar"), k=args.k, extra=args.extra, capacity=args.capacity,
                       turn_on_batch_size=args.turn_on_batch_size, k_max=args.k_max,
-                      measure_oracle=args.measure_oracle, verifier=resolve_verifier(args.verifier),
+                      measure_oracle=args.measure_oracle,
+                      verifier=resolve_verifier(args.verifier, getattr(args, "draft", None),
+                                                getattr(args, "target", None)),
                       tau=args.tau, block_cap=args.block_cap, tetris_scores=args.tetris_scores,
                       prune_drafts=args.prune_drafts)
 
 
-def resolve_verifier(spec: str | None) -> str | None:
+def resolve_verifier(spec: str | None, draft: str | None = None, target: str | None = None) -> str | None:
+    """`default` -> the verifier shipped for the draft (`--draft default` meaning the target's paired draft)."""
     if spec == "default":
         from batchspec.weights.known_models import default_verifier_dir
 
-        return str(default_verifier_dir())
+        return str(default_verifier_dir(resolve_draft(draft, target)))
     return spec
 
 

@@ -46,6 +46,7 @@ class KnownModel:
     licence: str
     parts: tuple[Part, ...]  # joined in this order
     draft: str | None = None  # the draft `--draft default` means for this target (None: the shipped SmolLM2 draft)
+    verifier: str | None = None  # a draft's SPRINTER verifier shipped under models/ (`--verifier default`)
 
     def describe(self) -> str:
         return (f"{self.name} ({self.role}): {self.filename}, {self.size:,} bytes, sha256 {self.sha256}, "
@@ -87,6 +88,7 @@ QWEN_CODER_0_5B = KnownModel(
         (89_128_960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
         (45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
     )),
+    verifier="sprinter-verifier-qwen2.5-coder-0.5b",
 )
 
 QWEN_CODER_1_5B = KnownModel(
@@ -245,9 +247,12 @@ def default_draft_dir() -> Path:
                          "(train one with `batchspec distill --target default --out DIR`)")
 
 
-def default_verifier_dir() -> Path:
-    """The SPRINTER verifier trained for the default draft (`batchspec sprinter train`), shipped in the repository."""
-    path = Path(__file__).resolve().parents[3] / "models" / DEFAULT_VERIFIER_DIR_NAME
+def default_verifier_dir(draft: str | None = None) -> Path:
+    """The SPRINTER verifier shipped in the repository for `draft` (`batchspec sprinter train`): the named draft's
+    (qwen2.5-coder-0.5b-instruct), else the one trained for the default SmolLM2 draft."""
+    known = KNOWN_MODELS.get(str(draft)) if draft is not None else None
+    name = known.verifier if known is not None and known.verifier else DEFAULT_VERIFIER_DIR_NAME
+    path = Path(__file__).resolve().parents[3] / "models" / name
     if not (path / "verifier.json").is_file():
         raise BatchspecError(f"the default SPRINTER verifier is missing: expected {path / 'verifier.json'} "
                              "(train one with `batchspec sprinter collect` and `batchspec sprinter train`)")
