@@ -255,3 +255,27 @@ def test_shipped_verifier_belongs_to_the_shipped_draft():
     from batchspec.weights.known_models import default_verifier_dir
 
     load_verifier(default_verifier_dir(), draft=load_model(default_draft_dir()))  # raises if the weights differ
+
+
+def test_verifier_default_is_the_drafts_own():
+    """`--verifier default` follows the draft: the real pair's draft has its own verifier (its weights are checked in
+    tests/test_real_pair.py, where that draft is fetched), every other draft gets the default draft's."""
+    from batchspec.cli.options import resolve_verifier
+    from batchspec.spec.verifier import load_verifier
+
+    qwen = resolve_verifier("default", "default", "qwen2.5-coder-1.5b-instruct")
+    assert qwen.endswith("sprinter-verifier-qwen2.5-coder-0.5b")
+    assert load_verifier(qwen).meta["target"] == "qwen2.5-coder-1.5b-instruct"
+    for draft, target in (("default", "default"), (None, None), ("some/dir", "default")):
+        assert resolve_verifier("default", draft, target).endswith("sprinter-verifier-smollm2-135m")
+    assert resolve_verifier("runs/v", "default", "default") == "runs/v"
+
+
+def test_a_verifier_refuses_its_draft_in_another_precision():
+    """int4 weights are other weights: the verifier's features were computed on the float draft, and the error says
+    so (not "another draft" with the same path twice)."""
+    from batchspec.spec.verifier import load_verifier
+    from batchspec.weights.known_models import default_verifier_dir
+
+    with pytest.raises(BatchspecError, match="another precision.*--draft-dtype"):
+        load_verifier(default_verifier_dir(), draft=load_model(default_draft_dir(), dtype="int4"))

@@ -51,3 +51,21 @@ def test_lossless_policies_equal_ar_on_the_real_pair(precision, prompts, draft):
         outputs = engine.generate(prompts, params, chat=True)
         assert [o.token_ids for o in outputs] == reference, (precision, policy)
         assert engine.metrics()["target_calls"] < len(prompts) * MAX_TOKENS  # it did speculate
+
+
+def test_the_shipped_verifier_belongs_to_the_real_pairs_draft(draft):
+    """`--verifier default` with the real pair loads the verifier trained for its draft (fingerprint-checked) and
+    SPRINTER runs with it, calling the target less often than tokens come out."""
+    from batchspec.cli.options import resolve_verifier
+    from batchspec.spec.verifier import load_verifier
+
+    path = resolve_verifier("default", "default", TARGET)
+    assert path.endswith("sprinter-verifier-qwen2.5-coder-0.5b")
+    assert load_verifier(path, draft).meta["target"] == TARGET
+    with pytest.raises(Exception, match="draft"):  # the SmolLM2 draft's verifier refuses this draft
+        load_verifier(resolve_verifier("default", "default", "default"), draft)
+    target = load_model(TARGET, dtype="bfloat16")
+    engine = Engine(target, draft, SpecConfig(policy="sprinter", verifier=path, tau=0.3), max_batch_size=2)
+    outputs = engine.generate([humaneval_chat_prompt(humaneval_prompts()[0])], SamplingParams(max_tokens=32),
+                              chat=True)
+    assert len(outputs[0].token_ids) == 32 and engine.metrics()["target_calls"] < 32

@@ -119,6 +119,11 @@ def check_verifier_draft(verifier: Verifier, draft) -> None:
     expected = verifier.draft.get("fingerprint")
     actual = weight_fingerprint(draft.transformer)
     if expected != actual:
+        if Path(str(verifier.draft.get("model_dir"))).name == Path(draft.model_dir).name:  # same model, other weights
+            raise BatchspecError(f"the verifier was trained on {Path(draft.model_dir).name} in another precision "
+                                 f"(weights {str(expected)[:12]}; here {draft.transformer.precision}, weights "
+                                 f"{actual[:12]}): run the draft as it was collected (--draft-dtype), or collect and "
+                                 f"train a verifier for this precision")
         raise BatchspecError(f"the verifier was trained for another draft ({verifier.draft.get('model_dir')}, weights "
                              f"{str(expected)[:12]}), not {draft.model_dir} (weights {actual[:12]})")
 
