@@ -12,40 +12,10 @@ import json
 
 import openai
 import pytest
-from conftest import make_tiny_model
-from test_server import (CHAT, CONTEXT, MODEL, PROMPTS, C, LiveServer, _chat, _completion, malformed_requests,
-                         noisy_copy, slow_server, wait_until)
+from test_server import (CHAT, MODEL, PROMPTS, C, LiveServer, _chat, _completion, ar_engine, client,  # noqa: F401
+                         malformed_requests, server, slow_server, tiny_target, wait_until)
 
-from batchspec import Engine, SamplingParams
-from batchspec.serving.app import ServerConfig, create_app
-from batchspec.spec.config import SpecConfig
-from batchspec.weights.loading import LoadedModel, load_model
-
-MAX_QUEUE = 8  # with max_batch_size 4: at most 12 prompts in one request
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory, default_model_dir) -> LoadedModel:
-    return load_model(make_tiny_model(tmp_path_factory.mktemp("serve_openai") / "target", default_model_dir))
-
-
-@pytest.fixture(scope="module")
-def server(tiny_target):
-    engine = Engine(tiny_target, noisy_copy(tiny_target, 0.02), SpecConfig(policy="tetris", k=3, extra=2),
-                    max_batch_size=4)
-    live = LiveServer(create_app(engine, ServerConfig(model_name=MODEL, max_model_len=CONTEXT, max_queue=MAX_QUEUE)))
-    yield live
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def ar_engine(tiny_target) -> Engine:
-    return Engine(tiny_target, max_batch_size=4)
+from batchspec import SamplingParams
 
 
 def sse_events(server: LiveServer, path: str, body: dict) -> list[dict | str]:
@@ -122,8 +92,9 @@ def test_a_list_of_prompts_streams_each_choice_with_its_index(client, ar_engine)
 
 
 def test_prompt_lists_out_of_bounds(server):
-    too_many = json.loads(server.request("POST", C, _completion(prompt=["a"] * (4 + MAX_QUEUE + 1)))[1])["error"]
-    assert too_many["code"] == "too_many_prompts" and "at most 12" in too_many["message"]
+    capacity = server.app.state.engine_loop.capacity  # its batch plus its queue
+    too_many = json.loads(server.request("POST", C, _completion(prompt=["a"] * (capacity + 1)))[1])["error"]
+    assert too_many["code"] == "too_many_prompts" and f"at most {capacity}" in too_many["message"]
     status, data = server.request("POST", C, _completion(prompt=["fine", ""]))
     error = json.loads(data)["error"]
     assert status == 400 and error["param"] == "prompt[1]" and error["message"].startswith("prompt[1]: ")
