@@ -266,8 +266,15 @@ def test_verifier_default_is_the_drafts_own():
     qwen = resolve_verifier("default", "default", "qwen2.5-coder-1.5b-instruct")
     assert qwen.endswith("sprinter-verifier-qwen2.5-coder-0.5b")
     assert load_verifier(qwen).meta["target"] == "qwen2.5-coder-1.5b-instruct"
+    for precision in ("bfloat16", "int4"):  # one verifier per precision the draft runs in, recorded in its file
+        path = resolve_verifier("default", "qwen2.5-coder-0.5b-instruct", None, precision)
+        assert load_verifier(path).draft["precision"] == precision
+    assert resolve_verifier("default", "default", "qwen2.5-coder-1.5b-instruct", "int4").endswith("-int4")
+    with pytest.raises(BatchspecError, match="no SPRINTER verifier is shipped for .* in float32.*--draft-dtype"):
+        resolve_verifier("default", "default", "qwen2.5-coder-1.5b-instruct", "float32")
     for draft, target in (("default", "default"), (None, None), ("some/dir", "default")):
         assert resolve_verifier("default", draft, target).endswith("sprinter-verifier-smollm2-135m")
+        assert resolve_verifier("default", draft, target, "auto").endswith("sprinter-verifier-smollm2-135m")
     assert resolve_verifier("runs/v", "default", "default") == "runs/v"
 
 

@@ -64,6 +64,14 @@ def test_the_shipped_verifier_belongs_to_the_real_pairs_draft(draft):
     assert load_verifier(path, draft).meta["target"] == TARGET
     with pytest.raises(Exception, match="draft"):  # the SmolLM2 draft's verifier refuses this draft
         load_verifier(resolve_verifier("default", "default", "default"), draft)
+    # The int4 draft (other weights, other features) has its own verifier, and each refuses the other's draft.
+    int4_path = resolve_verifier("default", "default", TARGET, "int4")
+    int4_draft = load_model(DRAFT, dtype="int4")
+    assert load_verifier(int4_path, int4_draft).draft["precision"] == "int4"
+    with pytest.raises(Exception, match="trained on .* in bfloat16 .*here int4"):
+        load_verifier(path, int4_draft)
+    with pytest.raises(Exception, match="trained on .* in int4 .*here bfloat16"):
+        load_verifier(int4_path, draft)
     target = load_model(TARGET, dtype="bfloat16")
     engine = Engine(target, draft, SpecConfig(policy="sprinter", verifier=path, tau=0.3), max_batch_size=2)
     outputs = engine.generate([humaneval_chat_prompt(humaneval_prompts()[0])], SamplingParams(max_tokens=32),

@@ -12,7 +12,7 @@ from batchspec.spec.verifier import FEATURE_SETS, LABELS, load_verifier, save_ve
 
 
 def add_sprinter_parser(subparsers) -> argparse.ArgumentParser:
-    from batchspec.runtime.precision import DTYPE_CHOICES, PRECISIONS
+    from batchspec.runtime.precision import DRAFT_PRECISION_CHOICES, PRECISIONS
     from batchspec.sprinter.data import CollectConfig
     from batchspec.sprinter.train import TrainConfig
 
@@ -24,9 +24,9 @@ def add_sprinter_parser(subparsers) -> argparse.ArgumentParser:
     c = sub.add_parser("collect", help="features and labels of draft tokens on real prompts (never HumanEval)")
     c.add_argument("--target", default=d.target, help="target model: 'default', a GGUF file or an HF directory")
     c.add_argument("--draft", default=d.draft, help="draft model: 'default' (the shipped draft) or a path")
-    c.add_argument("--draft-dtype", default=d.draft_dtype, choices=DTYPE_CHOICES,
-                   help="the draft's float type, as the engine will run it (auto: bfloat16 on CPUs with native "
-                        "bfloat16, else float32)")
+    c.add_argument("--draft-dtype", default=d.draft_dtype, choices=DRAFT_PRECISION_CHOICES,
+                   help="the draft's weights, as the engine will run it (auto: bfloat16 on CPUs with native "
+                        "bfloat16, else float32); a verifier belongs to its draft in one precision")
     c.add_argument("--target-dtype", default=d.target_dtype, choices=PRECISIONS,
                    help=f"the target's weights, as the engine will run it: its greedy answers label the data "
                         f"({d.target_dtype})")

@@ -120,7 +120,8 @@ def check_verifier_draft(verifier: Verifier, draft) -> None:
     actual = weight_fingerprint(draft.transformer)
     if expected != actual:
         if Path(str(verifier.draft.get("model_dir"))).name == Path(draft.model_dir).name:  # same model, other weights
-            raise BatchspecError(f"the verifier was trained on {Path(draft.model_dir).name} in another precision "
+            trained = verifier.draft.get("precision") or "another precision"
+            raise BatchspecError(f"the verifier was trained on {Path(draft.model_dir).name} in {trained} "
                                  f"(weights {str(expected)[:12]}; here {draft.transformer.precision}, weights "
                                  f"{actual[:12]}): run the draft as it was collected (--draft-dtype), or collect and "
                                  f"train a verifier for this precision")

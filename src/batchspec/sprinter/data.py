@@ -53,7 +53,7 @@ class CollectConfig:
     batch_size: int = 16  # requests the target decodes together
     seed: int = 1000  # distill uses seed 0: other stdlib functions
     val_fraction: float = 0.1
-    draft_dtype: str = "auto"  # as the engine runs the draft (`precision.resolve_dtype`): same features as at use
+    draft_dtype: str = "auto"  # as the engine runs the draft (`precision.resolve_precision`): same features as at use
     target_dtype: str = "float32"  # as the engine will run the target: its greedy answers are the labels
 
     def validate(self) -> None:
@@ -150,14 +150,14 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
     from tqdm import tqdm
 
     from batchspec.engine.engine import Engine
-    from batchspec.runtime.precision import dtype_name, resolve_dtype
+    from batchspec.runtime.precision import resolve_precision
     from batchspec.runtime.sampling import SamplingParams
     from batchspec.weights.loading import check_draft_compatible, load_model
 
     cfg.validate()
     old = _previous_meta(out, cfg, resume)
     target = load_model(cfg.target, dtype=cfg.target_dtype)
-    draft = load_model(cfg.draft, dtype=resolve_dtype(cfg.draft_dtype))
+    draft = load_model(cfg.draft, dtype=resolve_precision(cfg.draft_dtype))
     check_draft_compatible(target, draft)
     limit = min(cfg.max_prompt_tokens, target.config.max_position_embeddings - cfg.max_tokens,
                 draft.config.max_position_embeddings - cfg.max_tokens)
@@ -169,9 +169,10 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
     if len(texts) < cfg.num_prompts:
         raise BatchspecError(f"only {len(texts)} prompts of at most {limit} tokens available, "
                              f"{cfg.num_prompts} requested")
-    # `auto` resolves per machine (`precision.resolve_dtype`): record what the features were computed in.
+    # `auto` resolves per machine (`precision.resolve_precision`): record what the features were computed in (a
+    # weight precision: int4 weights compute in bfloat16 but are another model than the bfloat16 draft).
     meta = {"format": DATA_FORMAT, "config": asdict(cfg), "draft": model_identity(draft),
-            "draft_dtype": dtype_name(draft.transformer.dtype), "target": model_identity(target),
+            "draft_dtype": draft.transformer.precision, "target": model_identity(target),
             "target_dtype": cfg.target_dtype,
             "prompt_source": cfg.prompts if prompts is None else "given by the caller",
             "val_prompts": validation_prompts(cfg.num_prompts, cfg.val_fraction, cfg.seed),

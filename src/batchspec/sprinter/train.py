@@ -187,7 +187,8 @@ def train_verifier(data: SprinterData, cfg: TrainConfig) -> Verifier:
                              f"{int(y.sum())} with y_{cfg.label} = 1")
     mean, std = x.mean(0), x.std(0).clamp_min(1e-6)  # (F,)
     layers = fit((x - mean) / std, y, cfg)
-    verifier = Verifier(cfg.features, cfg.label, cfg.threshold, mean, std, layers, data.meta["draft"],
+    draft = {**data.meta["draft"], "precision": data.meta.get("draft_dtype")}  # what its features were computed in
+    verifier = Verifier(cfg.features, cfg.label, cfg.threshold, mean, std, layers, draft,
                         balance_shift=math.log(balance_weight(y)))
     verifier.meta = {"train": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                      "target": data.meta.get("target", {}).get("name"),

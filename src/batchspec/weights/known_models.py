@@ -46,7 +46,9 @@ class KnownModel:
     licence: str
     parts: tuple[Part, ...]  # joined in this order
     draft: str | None = None  # the draft `--draft default` means for this target (None: the shipped SmolLM2 draft)
-    verifier: str | None = None  # a draft's SPRINTER verifier shipped under models/ (`--verifier default`)
+    # a draft's SPRINTER verifiers shipped under models/ (`--verifier default`), one per precision the draft runs in
+    # (a verifier belongs to the weights its features were computed with): ((precision, directory name), ...)
+    verifiers: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         return (f"{self.name} ({self.role}): {self.filename}, {self.size:,} bytes, sha256 {self.sha256}, "
@@ -88,7 +90,8 @@ QWEN_CODER_0_5B = KnownModel(
         (89_128_960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
         (45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
     )),
-    verifier="sprinter-verifier-qwen2.5-coder-0.5b",
+    verifiers=(("bfloat16", "sprinter-verifier-qwen2.5-coder-0.5b"),
+               ("int4", "sprinter-verifier-qwen2.5-coder-0.5b-int4")),
 )
 
 QWEN_CODER_1_5B = KnownModel(
@@ -247,11 +250,19 @@ def default_draft_dir() -> Path:
                          "(train one with `batchspec distill --target default --out DIR`)")
 
 
-def default_verifier_dir(draft: str | None = None) -> Path:
-    """The SPRINTER verifier shipped in the repository for `draft` (`batchspec sprinter train`): the named draft's
-    (qwen2.5-coder-0.5b-instruct), else the one trained for the default SmolLM2 draft."""
+def default_verifier_dir(draft: str | None = None, precision: str | None = None) -> Path:
+    """The SPRINTER verifier shipped in the repository for `draft` (`batchspec sprinter train`) run in `precision`
+    (resolved: float32, bfloat16, int8, int4; None: the first shipped): a named draft's own (qwen2.5-coder-0.5b-instruct
+    has one for bfloat16 and one for int4), else the one trained for the default SmolLM2 draft."""
     known = KNOWN_MODELS.get(str(draft)) if draft is not None else None
-    name = known.verifier if known is not None and known.verifier else DEFAULT_VERIFIER_DIR_NAME
+    name = DEFAULT_VERIFIER_DIR_NAME
+    if known is not None and known.verifiers:
+        shipped = dict(known.verifiers)
+        if precision is not None and precision not in shipped:
+            raise BatchspecError(f"no SPRINTER verifier is shipped for {known.name} in {precision} (shipped for: "
+                                 f"{', '.join(shipped)}): pass --draft-dtype {' or '.join(shipped)}, or collect and "
+                                 f"train one (`batchspec sprinter collect --draft-dtype {precision}`)")
+        name = shipped[precision] if precision is not None else known.verifiers[0][1]
     path = Path(__file__).resolve().parents[3] / "models" / name
     if not (path / "verifier.json").is_file():
         raise BatchspecError(f"the default SPRINTER verifier is missing: expected {path / 'verifier.json'} "
