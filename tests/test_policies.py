@@ -62,14 +62,15 @@ def test_dsd_chooses_k_by_goodput_and_learns_acceptance() -> None:
 
 
 def test_policy_attributes() -> None:
-    assert POLICIES == ("ar", "sd", "dsd", "tetris", "oracle", "sprinter")
-    assert LOSSLESS_POLICIES == ("ar", "sd", "dsd", "tetris", "oracle")
+    assert POLICIES == ("ar", "sd", "dsd", "tetris", "oracle", "sprinter", "sprinter-exact")
+    assert LOSSLESS_POLICIES == ("ar", "sd", "dsd", "tetris", "oracle", "sprinter-exact")
     assert not policy_class("ar").speculative and all(policy_class(p).speculative for p in POLICIES[1:])
     assert [p for p in POLICIES if policy_class(p).needs_acceptance] == ["oracle"]
     assert [p for p in POLICIES if policy_class(p).needs_step_time] == ["dsd"]
     sprinter = policy_class("sprinter")
     assert sprinter(SpecConfig(policy="sprinter")).trusted(torch.tensor([0, 1, 3])).tolist() == [0, 0, 2]
     assert make_policy(SpecConfig(policy="sd")).trusted(torch.tensor([2])) is None
+    assert policy_class("sprinter-exact")(SpecConfig(policy="sprinter-exact")).trusted(torch.tensor([3])) is None
 
 
 def test_check_windows_errors() -> None:

@@ -66,6 +66,18 @@ def test_trusting_verifier_cuts_target_calls(pair):
     assert trusting["mean_accept_len"] >= 5  # every block of L = 5 is kept: 4 unchecked + the tested last + bonus
 
 
+@pytest.mark.parametrize("tau", [0.4, 0.6])  # blocks of L = 5 drafts, or of one
+def test_sprinter_exact_is_lossless_whatever_the_verifier_says(pair, tau):
+    """`sprinter-exact` keeps SPRINTER's blocks but the target checks every draft: the target's greedy output,
+    whether the blocks are long (every draft vouched for) or one draft."""
+    target, draft, verifier = pair
+    reference, _ = _run(target, None, SpecConfig(policy="ar"))
+    tokens, exact = _run(target, draft, SpecConfig(policy="sprinter-exact", verifier=verifier, tau=tau, block_cap=5))
+    assert tokens == reference
+    if tau < 0.5:  # whole blocks drafted, and the target accepted some of them
+        assert exact["draft_tokens"] > exact["steps"] and exact["mean_accept_len"] > 1.0
+
+
 def test_tetris_scored_by_verifier_stays_lossless(pair):
     target, draft, verifier = pair
     reference, _ = _run(target, None, SpecConfig(policy="ar"))
@@ -100,6 +112,8 @@ def test_bench_reports_quality_of_lossy_runs(pair, tmp_path):
     runs = {r["policy"]: r for r in results["runs"][:3]}
     assert runs["ar"]["rouge_l_ar"] == 1.0 and runs["sd"].get("target_nll") is None
     assert 0.0 <= runs["sprinter"]["rouge_l_ar"] <= 1.0 and runs["sprinter"]["target_nll"] > 0.0
+    # The target's own greedy output is its argmax on its own prefix: no disagreement (same numerics teacher-forced).
+    assert runs["ar"]["target_disagreement"] == 0.0 and 0.0 <= runs["sprinter"]["target_disagreement"] <= 1.0
     assert "quality sprinter" in format_table({"config": {}, "runs": list(runs.values())})
 
 

@@ -12,7 +12,7 @@ from batchspec.bench.plots import baselines_by_name, write_plots
 TABLE_FIELDS = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "system_efficiency", "target_calls",
                 "draft_tokens", "oracle_fraction", "match_ar", "select_us_per_step")
 HISTORIES = ("window_history", "request_windows")  # per step: in results.json, not in the csv
-QUALITY_FIELDS = ("rouge_l_ar", "target_nll")  # lossy runs only (sprinter), and ar for reference
+QUALITY_FIELDS = ("rouge_l_ar", "target_nll", "target_disagreement")  # lossy runs only (sprinter), and ar for reference
 CORRECTNESS_FIELDS = ("pass_at_1",)  # every run, with --quality humaneval
 POINT_FIELDS = ("batch_size", "k", "extra", "capacity", "tau", "tetris_scores", "prune_drafts")
 
@@ -62,7 +62,8 @@ def format_table(results: dict) -> str:
         lines += ([f"[{point}]"] if point else []) + [header]
         lines += [f"{r['policy']:>15} " + " ".join(_cell(r[name]) for name in TABLE_FIELDS) for r in group]
         lines += [f"quality {r['policy']}: ROUGE-L vs ar {_cell(r['rouge_l_ar']).strip()}, target NLL/token "
-                  f"{_cell(r['target_nll']).strip()}" for r in group if r.get("target_nll") is not None]
+                  f"{_cell(r['target_nll']).strip()}, not the target's greedy token "
+                  f"{_cell(r.get('target_disagreement')).strip()}" for r in group if r.get("target_nll") is not None]
         passing = [f"{r['policy']} {r['pass_at_1']:.3f}" for r in group if r.get("pass_at_1") is not None]
         lines += ["HumanEval pass@1: " + ", ".join(passing)] if passing else []
         speed = {r["policy"]: r["tokens_per_s"] for r in group if r["tokens_per_s"]}

@@ -32,7 +32,7 @@ from batchspec.weights.loading import LoadedModel
 
 
 # Sweep axes that matter to some policies only (capacity: sd and dsd verify their window whatever C is).
-ONLY_CHANGES = {"tau": ("sprinter",), "tetris_scores": ("tetris",), "capacity": ("tetris", "oracle"),
+ONLY_CHANGES = {"tau": ("sprinter", "sprinter-exact"), "tetris_scores": ("tetris",), "capacity": ("tetris", "oracle"),
                 "prune_drafts": ("tetris",)}
 
 
@@ -273,8 +273,9 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
 
 def _add_quality(runs: list[dict], outputs: dict, texts: dict, target: LoadedModel,
                  prompt_ids: list[list[int]]) -> None:
-    """Lossy policies (and ar, the reference): ROUGE-L against ar's text and the target's NLL per token."""
-    from batchspec.bench.quality import rouge_l, target_nll
+    """Lossy policies (and ar, the reference): ROUGE-L against ar's text, the target's NLL per token and the share of
+    tokens that are not the target's greedy choice on the output's own prefix."""
+    from batchspec.bench.quality import rouge_l, target_scores
 
     for run in runs:
         key = (run["point"], run["trial"], run["policy"])
@@ -282,7 +283,7 @@ def _add_quality(runs: list[dict], outputs: dict, texts: dict, target: LoadedMod
             continue  # identical to ar at temperature 0; their quality is ar's
         reference = texts.get((run["point"], run["trial"], "ar"), texts.get((0, run["trial"], "ar")))
         run["rouge_l_ar"] = rouge_l(texts[key], reference) if reference else None
-        run["target_nll"] = target_nll(target.transformer, prompt_ids, outputs[key])
+        run["target_nll"], run["target_disagreement"] = target_scores(target.transformer, prompt_ids, outputs[key])
 
 
 def _trace_recorder(config: BenchConfig):

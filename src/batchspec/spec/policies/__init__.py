@@ -9,10 +9,12 @@ from batchspec.spec.policies.dsd import DsdPolicy
 from batchspec.spec.policies.oracle import OraclePolicy
 from batchspec.spec.policies.sd import SdPolicy
 from batchspec.spec.policies.sprinter import SprinterPolicy
+from batchspec.spec.policies.sprinter_exact import SprinterExactPolicy
 from batchspec.spec.policies.tetris import TetrisPolicy
 
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (ArPolicy, SdPolicy, DsdPolicy, TetrisPolicy, OraclePolicy, SprinterPolicy)
+    cls.name: cls for cls in (ArPolicy, SdPolicy, DsdPolicy, TetrisPolicy, OraclePolicy, SprinterPolicy,
+                              SprinterExactPolicy)
 }
 POLICIES: tuple[str, ...] = tuple(REGISTRY)
 LOSSLESS_POLICIES: tuple[str, ...] = tuple(name for name, cls in REGISTRY.items() if cls.lossless)
