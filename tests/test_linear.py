@@ -7,13 +7,17 @@ import torch
 import torch.nn.functional as F
 
 from batchspec.errors import BatchspecError
-from batchspec.runtime.linear import BACKENDS, ENV_VAR, PackedWeights, choose_backend, default_backend, linear, onednn_available
+import batchspec.runtime.linear as linear_module
+from batchspec.runtime.linear import (BACKENDS, ENV_VAR, ONEDNN_CHUNK_ROWS, PackedWeights, choose_backend, default_backend,
+                                      invariant_chunk_rows, linear, onednn_available)
 
 
-def test_auto_takes_onednn_on_amd_only_where_the_build_has_it():
+def test_auto_takes_onednn_on_amd_and_for_bfloat16_where_the_build_has_it():
     assert choose_backend("auto", "AuthenticAMD", onednn=True) == "onednn"
     assert choose_backend("auto", "AuthenticAMD", onednn=False) == "mkl"
     assert choose_backend("auto", "GenuineIntel", onednn=True) == "mkl"
+    assert choose_backend("auto", "GenuineIntel", onednn=True, bfloat16=True) == "onednn"
+    assert choose_backend("auto", "GenuineIntel", onednn=False, bfloat16=True) == "mkl"
     assert choose_backend("auto", "", onednn=True) == "mkl"  # no /proc/cpuinfo: PyTorch's default
     assert choose_backend("mkl", "AuthenticAMD", onednn=True) == "mkl"
     assert choose_backend("onednn", "GenuineIntel", onednn=True) == "onednn"
@@ -119,3 +123,49 @@ def test_int8_weights_multiply_as_their_dequantised_values_and_rows_stay_indepen
     # Batch invariance, bit for bit: no activation quantization, so a row's result ignores its neighbours.
     for rows in (1, 3, 5):
         assert torch.equal(linear(x[:rows], quantized, bias), out[:rows])
+
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN linear layer")
+
+
+def _rows_alone_and_together(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, packed) -> None:
+    """Every row of `x` multiplied in calls of every size 1..len(x) equals that row multiplied alone, bit for bit."""
+    alone = torch.cat([linear(x[i:i + 1], weight, bias, backend="onednn", packed=packed) for i in range(len(x))])
+    for rows in range(2, len(x) + 1):
+        for start in (0, len(x) - rows):
+            together = linear(x[start:start + rows], weight, bias, backend="onednn", packed=packed)
+            assert torch.equal(together, alone[start:start + rows]), (rows, start)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape,bias", [((96, 64), True), ((64, 256), False)])
+def test_batch_invariant_bfloat16_rows_do_not_depend_on_their_neighbours(shape, bias):
+    """What greedy equality with `ar` rests on: a target row's product is the same whatever else shares the call,
+    on oneDNN's chunked path (calls of 2..32 rows, a single row padded to two) as on the padded-block fallback."""
+    gen = torch.Generator().manual_seed(shape[1])
+    weight = torch.randn(*shape, generator=gen).bfloat16()
+    b = torch.randn(shape[0], generator=gen).bfloat16() if bias else None
+    x = torch.randn(2 * ONEDNN_CHUNK_ROWS + 3, shape[1], generator=gen).bfloat16()
+    packed = PackedWeights()
+    assert invariant_chunk_rows(packed.get(weight), b) == ONEDNN_CHUNK_ROWS  # this CPU's kernels pass the check
+    _rows_alone_and_together(weight, b, x, packed)
+    key = (shape[0], shape[1], bias)
+    try:  # a shape that failed the check keeps the padded 16-row blocks, invariant too
+        linear_module._probed_chunks[key] = 0
+        _rows_alone_and_together(weight, b, x, packed)
+    finally:
+        del linear_module._probed_chunks[key]
+
+
+@needs_onednn
+def test_chunked_calls_never_take_one_row_or_more_than_the_chunk(monkeypatch):
+    calls = []
+    real = linear_module._onednn
+    monkeypatch.setattr(linear_module, "_onednn", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    weight = torch.randn(48, 64).bfloat16()
+    packed = PackedWeights()
+    invariant_chunk_rows(packed.get(weight), None)
+    for rows, want in ((1, [2]), (2, [2]), (32, [32]), (33, [31, 2]), (65, [32, 31, 2]), (70, [32, 32, 6])):
+        calls.clear()
+        out = linear(torch.randn(rows, 64).bfloat16(), weight, backend="onednn", packed=packed)
+        assert out.shape == (rows, 48) and calls == want, (rows, calls)

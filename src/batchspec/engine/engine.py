@@ -79,12 +79,12 @@ class Engine:
                                  "batch-invariant: use float32, bfloat16 or int8")
         self.target = target
         self.draft = draft
-        for model in (target, draft) if draft is not None else (target,):
-            model.transformer.pack_weights()  # oneDNN's layout now, not on the first request
         if draft is not None and draft is not target:
             # The draft only proposes: its rounding may depend on the batch (faster bfloat16 kernels), the
             # target's may not (`Transformer.batch_invariant`).
             draft.transformer.batch_invariant = False
+        for model in (target, draft) if draft is not None else (target,):
+            model.transformer.pack_weights()  # oneDNN's layout now, not on the first request
         self.max_batch_size = max_batch_size
         self.prefill_tokens = prefill_tokens
         self.prefill_chunk = prefill_chunk

@@ -15,8 +15,12 @@ originals stay for everything else that reads weights). A bfloat16 model (a draf
 PyTorch already sends bfloat16 matmuls to oneDNN but reorders the weights on every call; packed, the shipped
 draft's six layers and head ran 2-3x faster (16 rows 5.9 -> 3.0 ms, one row 5.7 -> 2.0 ms).
 
-On Intel CPUs MKL is at least as fast (measured on a Xeon with AVX-512, through PyTorch's mkldnn tensors: oneDNN
-no faster at 16 rows, 1.7x slower at 80), so `auto` keeps MKL there, and PyTorch's own bfloat16 matmul. The choice
+On Intel CPUs MKL is at least as fast in float32 (measured on a Xeon with AVX-512, through PyTorch's mkldnn
+tensors: oneDNN no faster at 16 rows, 1.7x slower at 80), so `auto` keeps MKL there for float32 models. bfloat16
+models go to oneDNN on packed weights everywhere: on a Xeon with AMX (2 threads) its packed kernel multiplies
+16 rows by the 1.5B target's 17920 x 1536 gate/up matrix in 1.35 ms where PyTorch's bfloat16 matmul (which
+reorders the weight on every call) takes 2.34, and a batch-invariant target can give it up to 32 rows per call
+(`invariant_chunk_rows`): 64 rows in 2 calls instead of 4 padded 16-row blocks. The choice
 changes rounding only (sums run in another order): the default target's logits stay within 1.2e-4 of
 transformers' either way (`tests/test_model_vs_hf.py` checks both).
 
@@ -44,13 +48,14 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def choose_backend(choice: str, vendor: str, onednn: bool) -> str:
-    """`auto` -> oneDNN on non-Intel x86 CPUs where the build has it, else MKL; a named backend as named.
+def choose_backend(choice: str, vendor: str, onednn: bool, bfloat16: bool = False) -> str:
+    """`auto` -> oneDNN where the build has it for bfloat16 models and on AMD CPUs, else MKL; a named backend as
+    named.
 
     vendor: /proc/cpuinfo's vendor_id ('AuthenticAMD', 'GenuineIntel', '' where unknown).
     """
     if choice == "auto":
-        return "onednn" if onednn and vendor == "AuthenticAMD" else "mkl"
+        return "onednn" if onednn and (bfloat16 or vendor == "AuthenticAMD") else "mkl"
     if choice not in BACKENDS:
         raise BatchspecError(f"unknown linear backend {choice!r} ({ENV_VAR}); use auto, {', '.join(BACKENDS)}")
     if choice == "onednn" and not onednn:
@@ -58,10 +63,11 @@ def choose_backend(choice: str, vendor: str, onednn: bool) -> str:
     return choice
 
 
-def default_backend() -> str:
-    """The backend for this process: `BATCHSPEC_LINEAR_BACKEND` (default auto), resolved for this CPU."""
+def default_backend(dtype: torch.dtype = torch.float32) -> str:
+    """The backend for a model of `dtype` in this process: `BATCHSPEC_LINEAR_BACKEND` (default auto), resolved for
+    this CPU."""
     return choose_backend(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto",
-                          cpuinfo_field("vendor_id"), onednn_available())
+                          cpuinfo_field("vendor_id"), onednn_available(), bfloat16=dtype == torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,8 @@ def dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
-BF16_ROWS = 16  # bfloat16 products run in blocks of exactly this many rows (see `_in_fixed_row_blocks`)
+BF16_ROWS = 16  # bfloat16 products off oneDNN's packed path run in blocks of exactly this many rows
+ONEDNN_CHUNK_ROWS = 32  # oneDNN's packed bfloat16 kernel: most rows per call whose results are each row's own
 
 
 def _in_fixed_row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
@@ -158,7 +165,7 @@ def _in_fixed_row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """x (N, in) bfloat16 @ weight^T in blocks of `BF16_ROWS` rows, the last one padded with zero rows.
 
     Batch invariance: MKL's and oneDNN's bfloat16 kernels split the reduction differently for different row counts
-    (measured here: a 576 x 1536 product's rows differ by a bfloat16 ulp between 3 and 300 rows; oneDNN's beyond 16
+    (measured here: a 576 x 1536 product's rows differ by a bfloat16 ulp between 3 and 300 rows; oneDNN's beyond 32
     rows), so a request's logits would depend on how many rows its batch had, and speculative verification (B*(k+1)
     rows) would drift from `ar` (B rows). One call shape for every product makes each row's result a function of
     that row alone. In the memory-bound regime of decoding a 16-row block costs what one row does (a 8960 x 1536
@@ -167,9 +174,57 @@ def _in_fixed_row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     rows = x.shape[0]
     padded = x.new_zeros(rows + (-rows) % BF16_ROWS, x.shape[1])
     padded[:rows] = x
-    blocks = [linear(padded[i:i + BF16_ROWS], weight, bias, backend, packed=packed)
+    blocks = [linear(padded[i:i + BF16_ROWS], weight, bias, backend, packed=packed, batch_invariant=False)
               for i in range(0, padded.shape[0], BF16_ROWS)]
     return (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:rows]
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def _in_row_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int) -> torch.Tensor:
+    """x (N, in) bfloat16 @ a oneDNN-packed weight^T in calls of 2..`chunk` rows: a single row goes in padded to two
+    (oneDNN multiplies one row with another kernel, gemv, whose sums round differently)."""
+    rows = x.shape[0]
+    if rows == 1:
+        return _onednn(torch.cat([x, x.new_zeros(1, x.shape[1])]), weight, bias)[:1]
+    if rows <= chunk:
+        return _onednn(x, weight, bias)
+    bounds = list(range(0, rows, chunk)) + [rows]
+    if rows - bounds[-2] == 1:
+        bounds[-2] -= 1  # the last call takes two rows, not one
+    return torch.cat([_onednn(x[a:b], weight, bias) for a, b in zip(bounds, bounds[1:])])
+
+
+_probed_chunks: dict[tuple[int, int, bool], int] = {}
+
+
+def invariant_chunk_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The most rows (`ONEDNN_CHUNK_ROWS`, else 0: use padded fixed blocks) that oneDNN's packed bfloat16 kernel
+    may take per call with every row's result equal, bit for bit, to that row's result alone.
+
+    Why not fixed 16-row blocks here: on an AMX Xeon (2 threads) a 16-row bfloat16 product is compute-bound at a
+    third of the kernel's speed at 64 rows (17920 x 1536: 1.35 ms per 16-row block, 2.02 ms for 64 rows in one
+    call), so a 17..32-row verification paid two full blocks (the 1.5B target: 16 rows 173 ms, 17 rows 349 ms per
+    forward). Measured with oneDNN on packed weights, every one of the Qwen pair's matrix shapes gives each row
+    exactly its result in any other call of 2..32 rows (not beyond: from 33 rows on the kernel splits the reduction
+    another way; and a single row runs as a gemv, so it goes in padded to two). That is a property of the kernels
+    oneDNN dispatches for a shape on this CPU, so it is checked once per shape on random rows (calls of 1, 2, 3,
+    15, 16, 17 and 31 rows at several offsets against one of 32) before it is relied on; a shape that fails keeps
+    the padded 16-row blocks.
+    """
+    key = (weight.shape[0], weight.shape[1], bias is not None)
+    if key not in _probed_chunks:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(ONEDNN_CHUNK_ROWS, weight.shape[1], generator=generator).to(torch.bfloat16)
+        full = _onednn(x, weight, bias)
+        same = all(torch.equal(_in_row_chunks(x[start:start + rows], weight, bias, ONEDNN_CHUNK_ROWS),
+                               full[start:start + rows])
+                   for rows in (1, 2, 3, 15, 16, 17, 31)
+                   for start in {0, ONEDNN_CHUNK_ROWS - rows, (ONEDNN_CHUNK_ROWS - rows) // 2})
+        _probed_chunks[key] = ONEDNN_CHUNK_ROWS if same else 0
+    return _probed_chunks[key]
 
 
 class PackedWeights:
@@ -227,11 +282,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         return out if bias is None else out + bias
     if weight.is_mkldnn and backend != "onednn":  # a model packed for oneDNN asked to run under MKL (tests do)
         weight = weight.to_dense()
-    if batch_invariant and x.dtype == torch.bfloat16 and x.shape[0] != BF16_ROWS:
-        return _in_fixed_row_blocks(x, weight, bias, backend, packed)
     if backend == "onednn" and x.dtype in (torch.float32, torch.bfloat16):
         w = weight if packed is None or weight.is_mkldnn else packed.get(weight)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
+        if not (batch_invariant and x.dtype == torch.bfloat16):
+            return _onednn(x, w, bias)
+        chunk = invariant_chunk_rows(w, bias)
+        if chunk:
+            return _in_row_chunks(x, w, bias, chunk)
+    if batch_invariant and x.dtype == torch.bfloat16:
+        return _in_fixed_row_blocks(x, weight, bias, backend, packed)
     if x.shape[0] == 1:
         if x.dtype == torch.bfloat16:  # bfloat16's F.linear on one row is ~1.5x slower than its gemv (measured)
             out = torch.mv(weight, x[0])[None]

@@ -29,7 +29,8 @@ from batchspec.runtime.config import ModelConfig
 from batchspec.runtime.decoder_block import decoder_block
 from batchspec.runtime.kv_cache import KVCache
 from batchspec.runtime.layer_weights import LayerWeights
-from batchspec.runtime.linear import Int4Weight, Int8Weight, PackedWeights, QuantizedWeight, default_backend, linear
+from batchspec.runtime.linear import (Int4Weight, Int8Weight, PackedWeights, QuantizedWeight, default_backend,
+                                      invariant_chunk_rows, linear)
 from batchspec.runtime.rope import rope_inv_freq, rope_tables, rotate_half
 
 __all__ = ["ForwardOutput", "LayerWeights", "Transformer", "rope_inv_freq", "rotate_half"]
@@ -65,7 +66,7 @@ class Transformer:
         self.full_head = lm_head  # (vocab, hidden) whatever the head vocabulary
         self.rope_cos, self.rope_sin = rope_tables(config, config.max_position_embeddings, self.device,
                                                  self.dtype)  # (P, D) each
-        self.linear_backend = default_backend()  # "mkl" or "onednn" (`batchspec.runtime.linear`)
+        self.linear_backend = default_backend(self.dtype)  # "mkl" or "onednn" (`batchspec.runtime.linear`)
         self.packed_weights = PackedWeights()  # oneDNN's layout of the matrices, made on first use under "onednn"
         # A request's logits do not depend on its batch neighbours, bit for bit, also in bfloat16 (fixed-shape
         # products, float64 attention); what verification against `ar` needs. A draft may drop it (it only proposes).
@@ -103,7 +104,8 @@ class Transformer:
 
         The layer matrices are replaced by their packed form (this model's own `layers` list; the values are kept
         exactly, `linear.dense` recovers them), so the model holds its weights once, not twice. The LM head gets a
-        packed copy instead: it may be the embedding, which token lookups read.
+        packed copy instead: it may be the embedding, which token lookups read. A batch-invariant bfloat16 model also
+        runs `linear.invariant_chunk_rows`'s checks now, once per matrix shape.
         """
         if self.linear_backend != "onednn" or isinstance(self.lm_head, QuantizedWeight):
             return
@@ -114,7 +116,12 @@ class Transformer:
             return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PackedWeights.ROWS_HINT)
 
         self.layers = [layer.map_matrices(pack) for layer in self.layers]
-        self.packed_weights.get(self.lm_head)
+        head = self.packed_weights.get(self.lm_head)
+        if self.batch_invariant and self.dtype == torch.bfloat16 and self.layers:
+            layer = self.layers[0]
+            for weight, bias in ((layer.wqkv, layer.bqkv), (layer.wo, None), (layer.w_gate_up, None),
+                                 (layer.w_down, None), (head, None)):
+                invariant_chunk_rows(weight, bias)
 
     def quantize_weights(self, precision: str) -> None:
         """Weight-only `int8` (`linear.Int8Weight`) or `int4` (`linear.Int4Weight`) for every layer matrix and the
