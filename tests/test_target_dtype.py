@@ -9,7 +9,7 @@ import torch
 
 from batchspec import Engine, SamplingParams
 from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
-from batchspec.runtime.linear import Int8Weight
+from batchspec.runtime.linear import Int8Weight, onednn_available
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.step_time import StepTimeModel
 from batchspec.weights.known_models import default_draft_dir
@@ -136,3 +136,29 @@ def test_int4_weights_round_trip_and_stay_a_drafts_option(tiny_model_factory):
     assert engine.metrics()["vsr"] > 0.3  # the int4 copy mostly agrees with its bfloat16 original
     with pytest.raises(BatchspecError, match="int4 weights are a draft's option"):
         Engine(draft, target)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN (mkldnn) kernels")
+def test_int4_wide_copy_takes_calls_of_many_rows():
+    """An int4 draft keeps its quantized values in bfloat16 too (`Int4Weight.wide`): calls of `WIDE_ROWS` rows or
+    more (prefills, wide batches) multiply on that copy, fewer rows on the int4 kernel; both hold the same values,
+    so the two paths agree to bfloat16 rounding."""
+    from batchspec.runtime.linear import Int4Weight, linear
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64)
+    narrow, wide = Int4Weight.quantize(weight), Int4Weight.quantize(weight, wide=True)
+    assert narrow.wide is None and wide.wide is not None
+    assert torch.equal(narrow.packed, wide.packed)
+    for rows in (1, Int4Weight.WIDE_ROWS - 1, Int4Weight.WIDE_ROWS, 40):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        kernel = linear(x, narrow, None, "onednn").float()
+        both = linear(x, wide, None, "onednn").float()
+        assert both.shape == (rows, 96)
+        if rows < Int4Weight.WIDE_ROWS:
+            assert torch.equal(both, kernel)  # the int4 kernel itself
+        else:  # the bfloat16 copy: the same products up to bfloat16 rounding of the sums
+            exact = x.float() @ narrow.dequantize().float().t()
+            bound = float(exact.abs().max()) / 128  # a bfloat16 output's step at the largest value (8 bits)
+            assert float((both - exact).abs().max()) <= bound  # measured 0.10 for a bound of 0.25
+            assert float((kernel - exact).abs().max()) <= bound  # the int4 kernel: also 0.10

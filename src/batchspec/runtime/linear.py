@@ -111,7 +111,7 @@ class Int4Weight:
     draft only proposes, so its rounding never reaches an output, and at one row it streams a quarter of
     bfloat16's bytes. Measured here (Xeon, AMX, 2 threads; the 0.5B draft's 24 layers of matrices): 12.2 ms per
     pass at one row vs 35 ms for bfloat16's gemv, 20.8 vs 34.7 at four rows, 71 vs 34 at sixteen, so it pays for a
-    few rows only. The Qwen drafts ship as Q4_K (4-bit values with a scale and offset per 32 columns), which this
+    few rows only; a draft loaded in int4 keeps a bfloat16 copy for calls of more rows (`wide`). The Qwen drafts ship as Q4_K (4-bit values with a scale and offset per 32 columns), which this
     layout holds nearly exactly.
 
     w ~ (q - 8) * scale + zero for q in [0, 15], per group (torch's int4 convention).
@@ -120,11 +120,18 @@ class Int4Weight:
     packed: torch.Tensor  # (out, in / 2) uint8, two 4-bit values per byte, as torch's CPU kernel wants them
     scales_zeros: torch.Tensor  # (in / GROUP, out, 2) bfloat16
     shape: torch.Size  # (out, in)
+    wide: torch.Tensor | None = None  # the same values in bfloat16, packed for oneDNN: calls of WIDE_ROWS+ rows
 
     GROUP = 32
+    # The int4 kernel's cost grows with every row (the 0.5B draft, whole forward: 28 ms at 1 row, 40 at 4, 66 at
+    # 6, 126 at 16, 1.79 s for a 256-token prefill), bfloat16's stays near one weight pass up to 32 rows (60 ms at 6,
+    # 0.58 s for the prefill). From this many rows on a call goes to the bfloat16 copy (`quantize(wide=True)`).
+    WIDE_ROWS = 6
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int4Weight:
+    def quantize(cls, weight: torch.Tensor, wide: bool = False) -> Int4Weight:
+        """wide: also keep the quantized values in bfloat16 on oneDNN's packed layout (half the bytes of the
+        bfloat16 model again) for calls of `WIDE_ROWS` or more rows, so one model runs at every row count."""
         out_features, in_features = weight.shape
         if in_features % cls.GROUP:
             raise BatchspecError(f"int4 weights need input sizes divisible by {cls.GROUP}, got {in_features}")
@@ -135,7 +142,11 @@ class Int4Weight:
         zero = (low + 8 * scale).to(torch.bfloat16)  # q = 8 maps to `zero`
         packed = torch._convert_weight_to_int4pack_for_cpu(values.to(torch.int32).reshape(weight.shape), 2)
         scales_zeros = torch.stack([scale.to(torch.bfloat16)[..., 0].t(), zero[..., 0].t()], dim=-1).contiguous()
-        return cls(packed, scales_zeros, torch.Size(weight.shape))
+        copy = None
+        if wide:
+            values = (values * scale + low).reshape(weight.shape).to(torch.bfloat16)  # (q - 8) * scale + zero
+            copy = torch.ops.mkldnn._reorder_linear_weight(values.contiguous(), PackedWeights.ROWS_HINT)
+        return cls(packed, scales_zeros, torch.Size(weight.shape), copy)
 
     def dequantize(self) -> torch.Tensor:
         identity = torch.eye(self.shape[1], dtype=torch.bfloat16)
@@ -278,6 +289,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         out = torch._weight_int8pack_mm(x.contiguous(), weight.values, weight.scales)
         return out if bias is None else out + bias
     if isinstance(weight, Int4Weight):
+        if weight.wide is not None and x.shape[0] >= Int4Weight.WIDE_ROWS:
+            return _onednn(x, weight.wide, bias)
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, Int4Weight.GROUP, weight.scales_zeros)
         return out if bias is None else out + bias
     if weight.is_mkldnn and backend != "onednn":  # a model packed for oneDNN asked to run under MKL (tests do)

@@ -123,16 +123,17 @@ class Transformer:
                                  (layer.w_down, None), (head, None)):
                 invariant_chunk_rows(weight, bias)
 
-    def quantize_weights(self, precision: str) -> None:
+    def quantize_weights(self, precision: str, wide: bool = False) -> None:
         """Weight-only `int8` (`linear.Int8Weight`) or `int4` (`linear.Int4Weight`) for every layer matrix and the
         LM head. The model must be in bfloat16, which its activations, norms, embedding and KV cache stay in;
-        restrict the head first."""
+        restrict the head first. wide (int4): keep a bfloat16 copy of the quantized values for many-row calls."""
         kinds = {"int8": Int8Weight, "int4": Int4Weight}
         if precision not in kinds:
             raise BatchspecError(f"unknown weight-only precision {precision!r}; use int8 or int4")
         if self.dtype != torch.bfloat16 or self.precision != "bfloat16":
             raise BatchspecError(f"{precision} weights need a bfloat16 model, this one is {self.precision}")
-        quantize = kinds[precision].quantize
+        quantize = functools.partial(Int4Weight.quantize, wide=True) if wide and precision == "int4" \
+            else kinds[precision].quantize
         self.layers = [layer.map_matrices(quantize) for layer in self.layers]
         self.packed_weights.clear()
         self.lm_head = quantize(self.lm_head)

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from batchspec.errors import BatchspecError
 from batchspec.runtime.config import ModelConfig
+from batchspec.runtime.linear import onednn_available
 from batchspec.weights import known_models
 from batchspec.weights.gguf_conversion import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, convert_gguf, gguf_config,
                                                gguf_state_dict, unpermute_rope)
@@ -83,7 +84,8 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
         except BatchspecError as bad:
             raise BatchspecError(f"{model_dir / HEAD_VOCAB_FILE}: {bad}") from None
     if precision in ("int8", "int4"):
-        transformer.quantize_weights(precision)
+        # An int4 model is a draft: it also prefills, where int4's kernel is slow (`Int4Weight.WIDE_ROWS`).
+        transformer.quantize_weights(precision, wide=precision == "int4" and onednn_available())
     return transformer
 
 
