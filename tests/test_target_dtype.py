@@ -162,3 +162,36 @@ def test_int4_wide_copy_takes_calls_of_many_rows():
             bound = float(exact.abs().max()) / 128  # a bfloat16 output's step at the largest value (8 bits)
             assert float((both - exact).abs().max()) <= bound  # measured 0.10 for a bound of 0.25
             assert float((kernel - exact).abs().max()) <= bound  # the int4 kernel: also 0.10
+
+
+def test_bfloat16_target_prefills_whole_prompts_alone(tiny_model_factory, monkeypatch):
+    """A bfloat16 target runs each whole prompt in a forward of its own on the full-width kernels (no batch
+    invariance needed: nothing else is in that forward), decoding and verification on the invariant ones; chunked
+    prefill keeps the invariant kernels, and in either mode every lossless policy reproduces `ar`."""
+    target_dir = tiny_model_factory("qwen2", name="qwen-target", seed=0)
+    target = load_model(target_dir, dtype="bfloat16")
+    draft = load_model(tiny_model_factory("qwen2", name="qwen-draft", seed=1))
+    calls: list[tuple[int, int, bool | None]] = []
+    forward = type(target.transformer).forward
+
+    def recording(self, cache, slots, num_new, tokens, *args, batch_invariant=None, **kwargs):
+        if self is target.transformer:
+            calls.append((len(slots), int(tokens.numel()), batch_invariant))
+        return forward(self, cache, slots, num_new, tokens, *args, batch_invariant=batch_invariant, **kwargs)
+
+    monkeypatch.setattr(type(target.transformer), "forward", recording)
+    prompts = ["def f(x):", "import os\nimport sys", "class A:\n    pass\n" * 3]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for chunk in (None, 5):
+        calls.clear()
+        reference = [o.token_ids for o in Engine(target, max_batch_size=3, prefill_chunk=chunk).generate(prompts,
+                                                                                                         params)]
+        prefills = [call for call in calls if call[2] is False]
+        if chunk is None:
+            assert len(prefills) == len(prompts) and all(slots == 1 for slots, _, _ in prefills)
+        else:
+            assert not prefills
+        for policy in ("sd", "tetris"):
+            engine = Engine(target, draft, SpecConfig(policy=policy, k=3, extra=2), max_batch_size=3,
+                            prefill_chunk=chunk)
+            assert [o.token_ids for o in engine.generate(prompts, params)] == reference, (chunk, policy)

@@ -17,7 +17,10 @@ Prefill: `prefill_chunk=None` runs each admitted prompt whole, in the step that 
 most N prompt tokens per prefill step, as one ragged forward of the target (and of the draft, for a speculative
 policy, so that its first draft pass has no prompt left to run), alternating with decoding / speculative steps
 while requests are running; the step that completes a prompt samples the request's first token. Greedy and seeded
-outputs are the same either way; see `scheduler.py` for the plan of each step.
+outputs are the same either way for a float32 target; a bfloat16 one prefills whole prompts one per forward on
+its full-width kernels (`ModelRunner.prefills_alone`), chunks on its batch-invariant ones, so there the two modes
+are two computations of the target (each lossless policy reproduces `ar` within either). See `scheduler.py` for the
+plan of each step.
 """
 
 from __future__ import annotations
@@ -234,13 +237,16 @@ class Engine:
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         """Run prompt chunks, packed in groups of about `prefill_tokens` tokens (a single group when chunked with a
-        budget of at most that); sample the first token of each request whose prompt a chunk completes."""
+        budget of at most that; one whole prompt per group for a bfloat16 target, `ModelRunner.prefills_alone`);
+        sample the first token of each request whose prompt a chunk completes."""
+        alone = self.prefill_chunk is None and self.runner.prefills_alone  # one whole prompt per forward
         group: list[PrefillChunk] = []
         for chunk in chunks + [None]:
-            if chunk is not None and (not group or sum(c.length for c in group) + chunk.length <= self.prefill_tokens):
+            if chunk is not None and (not group or not alone
+                                      and sum(c.length for c in group) + chunk.length <= self.prefill_tokens):
                 group.append(chunk)
                 continue
-            logits = self.runner.prefill(group, self.stats, with_draft=self.prefill_chunk is not None)
+            logits = self.runner.prefill(group, self.stats, with_draft=self.prefill_chunk is not None, alone=alone)
             completed = [c.request for c in group if c.completes]
             if completed:
                 self._sample_and_commit(completed, logits)

@@ -211,9 +211,8 @@ class Transformer:
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache(self.config, num_slots, max_len, dtype=self.dtype, device=self.device)
 
-    @property
-    def attention_dtype(self) -> torch.dtype:
-        """The type attention computes in: float64 for a batch-invariant bfloat16 model, else the model's.
+    def attention_dtype(self, batch_invariant: bool) -> torch.dtype:
+        """The type attention computes in: float64 for a batch-invariant bfloat16 forward, else the model's.
 
         SDPA's result for a row changes with the padding around it (the batch's other requests set kv_len and
         n_max): measured, one bfloat16 ulp between kv lengths 40 and 80 in bfloat16, 1.8e-7 in float32 — and
@@ -222,18 +221,28 @@ class Transformer:
         (~1e-16) are far below bfloat16's resolution. A float32 model keeps float32 attention (its rounding
         differences stay ~1e-7 without a cast). Attention is a few % of a step.
         """
-        return torch.float64 if self.batch_invariant and self.dtype == torch.bfloat16 else self.dtype
+        return torch.float64 if batch_invariant and self.dtype == torch.bfloat16 else self.dtype
+
+    @property
+    def invariance_costs(self) -> bool:
+        """Whether batch invariance slows this model's wide calls down (bfloat16: row chunks of the products,
+        float64 attention), so that a forward whose rows never depend on its neighbours should drop it."""
+        return self.batch_invariant and self.dtype == torch.bfloat16
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots: torch.Tensor, num_new: torch.Tensor, tokens: torch.Tensor,
-                logit_rows: torch.Tensor | None = None, all_logits: bool = True) -> ForwardOutput:
+                logit_rows: torch.Tensor | None = None, all_logits: bool = True,
+                batch_invariant: bool | None = None) -> ForwardOutput:
         """Append `num_new[b]` tokens to the cache slot `slots[b]` for every request b and run the model on them.
 
         slots, num_new: (B,) int64; tokens: (T,) int64 packed in request order, T = num_new.sum().
         logit_rows: indices into the T packed tokens whose logits are wanted (None with all_logits: every row).
+        batch_invariant: None for the model's own setting; False for a forward whose batch is the same whatever
+        else runs (one whole prompt alone), which then takes the full-width kernels.
         Advances the cache lengths by num_new. Returns logits for the chosen rows and hidden states for all T.
         """
         c = self.config
+        invariant = self.batch_invariant if batch_invariant is None else batch_invariant
         num_new = num_new.to(torch.int64)
         keep = num_new > 0  # a request with nothing to append sits this step out
         if not bool(keep.all()):
@@ -245,11 +254,11 @@ class Transformer:
             return ForwardOutput(None, torch.empty(0, c.hidden_size, dtype=self.dtype), self.head_ids, c.vocab_size)
         # Positions, mask and cache paths depend on the batch, not the layer: built once, read by every layer.
         meta = attention_metadata(cache, slots, num_new, self.rope_cos, self.rope_sin, c.num_groups,
-                                  self.attention_dtype, self.device)
+                                  self.attention_dtype(invariant), self.device)
 
         dev = self.device
         lin = functools.partial(linear, backend=self.linear_backend, packed=self.packed_weights,
-                                batch_invariant=self.batch_invariant)
+                                batch_invariant=invariant)
         x = self.embed[tokens.to(dev)]  # (T, hidden)
         for index, layer in enumerate(self.layers):
             x = decoder_block(x, layer, cache.k[index], cache.v[index], meta, c, lin)  # cache: (S, KV, max_len, D)
