@@ -62,6 +62,8 @@ class ModelRunner:
         draft pass — so a policy that decides not to draft (goodput Tetris, dsd's k = 0) never pays for it. With it
         (chunked prefill), the draft runs the same chunks now and ends the prompt level with the target.
         """
+        if alone and not (len(chunks) == 1 and chunks[0].start == 0 and chunks[0].completes):
+            raise ValueError("a prefill alone takes one whole prompt")
         num_new, tokens, last_rows = ragged_inputs([c.request.prompt_ids[c.start:c.end] for c in chunks])
         slots = torch.tensor([c.request.slot for c in chunks])
         first = slots[torch.tensor([c.start == 0 for c in chunks])]
@@ -70,8 +72,6 @@ class ModelRunner:
             self.draft_cache.lengths[first] = 0
         completes = torch.tensor([c.completes for c in chunks])
         # Logits only where a prompt ends; chunks that end mid-prompt leave nothing but their cache entries.
-        if alone and not (len(chunks) == 1 and chunks[0].start == 0 and chunks[0].completes):
-            raise ValueError("a prefill alone takes one whole prompt")
         logits = self._run_target(slots, num_new, tokens, last_rows[completes] if bool(completes.any()) else None,
                                   stats, alone=alone)
         if with_draft and self.draft_cache is not None:

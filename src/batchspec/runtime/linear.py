@@ -111,8 +111,8 @@ class Int4Weight:
     draft only proposes, so its rounding never reaches an output, and at one row it streams a quarter of
     bfloat16's bytes. Measured here (Xeon, AMX, 2 threads; the 0.5B draft's 24 layers of matrices): 12.2 ms per
     pass at one row vs 35 ms for bfloat16's gemv, 20.8 vs 34.7 at four rows, 71 vs 34 at sixteen, so it pays for a
-    few rows only; a draft loaded in int4 keeps a bfloat16 copy for calls of more rows (`wide`). The Qwen drafts ship as Q4_K (4-bit values with a scale and offset per 32 columns), which this
-    layout holds nearly exactly.
+    few rows only; a draft loaded in int4 keeps a bfloat16 copy for calls of more rows (`wide`). The Qwen drafts
+    ship as Q4_K (4-bit values with a scale and offset per 32 columns), which this layout holds nearly exactly.
 
     w ~ (q - 8) * scale + zero for q in [0, 15], per group (torch's int4 convention).
     """
