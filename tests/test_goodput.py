@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
+from batchspec.spec.config import SpecConfig
+from batchspec.spec.policies import make_policy
 from batchspec.spec.policies.goodput import (Goodput, best_draft_length, goodput_capacity, goodput_windows,
                                              smallest_step)
 from batchspec.spec.policies.tetris import _top_capacity_windows
@@ -155,3 +157,12 @@ def test_bins_on_log_q_match_the_edges():
     with np.errstate(divide="ignore"):
         bins = bin_of(np.log(q))
     assert bins.tolist() == [0, 1, 1, 6, 12, 13, 14, 0]  # 0: no draft (q = 0, NaN); at an edge, the bin below it
+
+
+def test_auto_capacity_drafts_up_to_dsds_cap():
+    """K' is a cap under --capacity auto: k_max, as for dsd (or k + extra when larger), the cache head-room with it."""
+    auto = make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8, capacity="auto"))
+    assert auto.max_draft_length() == 8 and auto.goodput.max_draft == 8
+    assert auto.plan(1, _cost(draft_step=0.01, per_row=0.001)).k_prime == 8  # nothing seen yet: the whole cap
+    assert make_policy(SpecConfig(policy="tetris", k=4, extra=6, k_max=8, capacity="auto")).max_draft_length() == 10
+    assert make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8)).max_draft_length() == 6  # fixed C: K'

@@ -57,7 +57,8 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
                              "number. The oracle verifies k x active batch unless given a number")
     parser.add_argument("--turn-on-batch-size", type=int, default=1,
                         help="below this many active requests Tetris behaves as sd (default 1)")
-    parser.add_argument("--k-max", type=int, default=8, help="largest window dsd may choose (default 8)")
+    parser.add_argument("--k-max", type=int, default=8,
+                        help="largest window dsd, and draft length tetris --capacity auto, may choose (default 8)")
     parser.add_argument("--measure-oracle", action="store_true",
                         help="extra untimed target pass over all drafts to report oracle_fraction")
     parser.add_argument("--verifier", default=None,

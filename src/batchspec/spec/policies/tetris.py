@@ -141,8 +141,8 @@ class TetrisPolicy(Policy):
         # Calibrated acceptance, learned from every verification: what goodput mode and tetris_scores="calibrated"
         # rank by.
         self.calibrated = self.auto or spec.tetris_scores == "calibrated"
-        self.goodput = Goodput(spec.k + spec.extra) if self.calibrated else None
-        self._times = None  # (cost model, (B, K'), step times, smallest step) of the last step seen
+        self.goodput = Goodput(self.max_draft_length()) if self.calibrated else None
+        self._times = None  # (cost model, {(B, K'): (step times, smallest step)}) of the steps seen
 
     @classmethod
     def validate(cls, spec, batch_size: int) -> None:
@@ -154,6 +154,10 @@ class TetrisPolicy(Policy):
         if spec.tetris_scores == "verifier" and spec.capacity == "auto":
             raise BatchspecError("--capacity auto ranks by calibrated draft probabilities: use --tetris-scores q or "
                                  "calibrated")
+
+    def max_draft_length(self) -> int:
+        """With `capacity="auto"` K' is chosen per step, up to dsd's cap k_max (or k + extra when larger)."""
+        return max(self.spec.k + self.spec.extra, self.spec.k_max) if self.auto else super().max_draft_length()
 
     def plan(self, batch_size: int, step_time=None) -> Plan:
         if not self.auto:
@@ -194,12 +198,15 @@ class TetrisPolicy(Policy):
         return keep_goodput
 
     def _step_times(self, plan: Plan, batch_size: int) -> tuple[np.ndarray, float]:
-        """The step's `step_times` for every C and their smallest step, kept while (cost model, B, K') repeat."""
+        """The step's `step_times` for every C and their smallest step, kept per (B, K') while the cost model stays."""
+        if self._times is None or self._times[0] is not plan.step_time:
+            self._times = plan.step_time, {}
+        by_shape = self._times[1]
         shape = (batch_size, plan.k_prime)
-        if self._times is None or self._times[0] is not plan.step_time or self._times[1] != shape:
+        if shape not in by_shape:  # K' changes from step to step: every shape seen is kept (a few dozen at most)
             times = step_times(plan.step_time, batch_size, plan.k_prime)
-            self._times = plan.step_time, shape, times, smallest_step(times)
-        return self._times[2], self._times[3]
+            by_shape[shape] = times, smallest_step(times)
+        return by_shape[shape]
 
     def select(self, plan: Plan, proposal, accept_probs: Tensor | None = None) -> Tensor:
         batch_size, k_prime = proposal.logprobs.shape
