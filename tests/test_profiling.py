@@ -23,6 +23,14 @@ def test_step_time_profile_is_cached(tmp_path, monkeypatch, tiny_model_factory):
     monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
     profiling.cached_step_time(target, other, max_batch=2, k_max=2)  # another draft: a new profile
     assert len(list((tmp_path / "cache" / "profiles").glob("step-time-*.json"))) == 2
+    monkeypatch.setattr(profiling, "runtime_code_version", lambda: "other kernels")
+    profiling.cached_step_time(target, other, max_batch=2, k_max=2)  # the runtime's code changed: profiled again
+    assert len(list((tmp_path / "cache" / "profiles").glob("step-time-*.json"))) == 3
+
+
+def test_runtime_code_version_reads_the_runtime_sources():
+    version = profiling.runtime_code_version()
+    assert len(version) == 16 and (profiling.RUNTIME_DIR / "linear.py").is_file()
 
 
 def test_machine_description_names_the_cpu_and_threads():

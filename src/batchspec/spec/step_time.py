@@ -1,8 +1,9 @@
 """What a speculative step costs on this machine: dsd's fitted T(B, k), the target's time by rows scored, profiling.
 
 Profiles are cached as JSON under `<cache>/profiles/`, keyed by both models' configurations and a fingerprint of
-their weights, the grid, the torch version, thread count and CPU: a second run on the same machine reuses the fit
-instead of spending ~10-30 s re-timing forwards. Delete the directory (or set BATCHSPEC_CACHE) to re-profile.
+their weights, the grid, the torch version, thread count, CPU and the runtime's own code (`runtime_code_version`: a
+change of kernels changes what a forward costs): a second run on the same machine reuses the fit instead of spending
+~10-30 s re-timing forwards. Delete the directory (or set BATCHSPEC_CACHE) to re-profile.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,6 +24,8 @@ import torch
 from batchspec.errors import BatchspecError
 from batchspec.runtime.machine import machine_description
 from batchspec.runtime.model import Transformer
+
+RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"  # the package whose code sets what a forward costs
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,15 @@ def _time_forward(model: Transformer, batch: int, tokens_each: int, repeats: int
     return statistics.median(times[1:])
 
 
+@cache
+def runtime_code_version() -> str:
+    """sha256 (16 hex digits) of the runtime package's sources: profiles taken with other kernels are not reused."""
+    digest = hashlib.sha256()
+    for path in sorted(RUNTIME_DIR.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> str:
     def model_id(model: Transformer) -> dict:
         weights = model.embed.float()
@@ -129,7 +143,7 @@ def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max:
                 "dtype": model.precision, "linear": model.linear_backend}
 
     key = {"target": model_id(target), "draft": model_id(draft), "max_batch": max_batch, "k_max": k_max,
-           "torch": torch.__version__, "cpu": machine_description(),
+           "torch": torch.__version__, "cpu": machine_description(), "runtime": runtime_code_version(),
            "machine": platform.machine(), "node": platform.node()}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
