@@ -36,7 +36,12 @@ def prompts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def draft():
-    return load_model(DRAFT, dtype="bfloat16")
+    return load_model(DRAFT, dtype="auto")  # bfloat16 where the CPU computes it natively, else float32
+
+
+@pytest.fixture(scope="module")
+def bf16_draft():
+    return load_model(DRAFT, dtype="bfloat16")  # what the shipped verifier was trained on
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
@@ -53,7 +58,7 @@ def test_lossless_policies_equal_ar_on_the_real_pair(precision, prompts, draft):
         assert engine.metrics()["target_calls"] < len(prompts) * MAX_TOKENS  # it did speculate
 
 
-def test_the_shipped_verifier_belongs_to_the_real_pairs_draft(draft):
+def test_the_shipped_verifier_belongs_to_the_real_pairs_draft(bf16_draft):
     """`--verifier default` with the real pair loads the verifier trained for its draft (fingerprint-checked) and
     SPRINTER runs with it, calling the target less often than tokens come out."""
     from batchspec.cli.options import resolve_verifier
@@ -61,9 +66,9 @@ def test_the_shipped_verifier_belongs_to_the_real_pairs_draft(draft):
 
     path = resolve_verifier("default", "default", TARGET)
     assert path.endswith("sprinter-verifier-qwen2.5-coder-0.5b")
-    assert load_verifier(path, draft).meta["target"] == TARGET
+    assert load_verifier(path, bf16_draft).meta["target"] == TARGET
     with pytest.raises(Exception, match="draft"):  # the SmolLM2 draft's verifier refuses this draft
-        load_verifier(resolve_verifier("default", "default", "default"), draft)
+        load_verifier(resolve_verifier("default", "default", "default"), bf16_draft)
     # The int4 draft (other weights, other features) has its own verifier, and each refuses the other's draft.
     int4_path = resolve_verifier("default", "default", TARGET, "int4")
     int4_draft = load_model(DRAFT, dtype="int4")
@@ -71,9 +76,9 @@ def test_the_shipped_verifier_belongs_to_the_real_pairs_draft(draft):
     with pytest.raises(Exception, match="trained on .* in bfloat16 .*here int4"):
         load_verifier(path, int4_draft)
     with pytest.raises(Exception, match="trained on .* in int4 .*here bfloat16"):
-        load_verifier(int4_path, draft)
+        load_verifier(int4_path, bf16_draft)
     target = load_model(TARGET, dtype="bfloat16")
-    engine = Engine(target, draft, SpecConfig(policy="sprinter", verifier=path, tau=0.3), max_batch_size=2)
+    engine = Engine(target, bf16_draft, SpecConfig(policy="sprinter", verifier=path, tau=0.3), max_batch_size=2)
     outputs = engine.generate([humaneval_chat_prompt(humaneval_prompts()[0])], SamplingParams(max_tokens=32),
                               chat=True)
     assert len(outputs[0].token_ids) == 32 and engine.metrics()["target_calls"] < 32

@@ -9,7 +9,7 @@ import torch
 
 from batchspec import Engine, SamplingParams
 from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
-from batchspec.runtime.linear import Int8Weight, onednn_available
+from batchspec.runtime.linear import Int8Weight, onednn_bf16_available
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.step_time import StepTimeModel
 from batchspec.weights.known_models import default_draft_dir
@@ -138,7 +138,8 @@ def test_int4_weights_round_trip_and_stay_a_drafts_option(tiny_model_factory):
         Engine(draft, target)
 
 
-@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN (mkldnn) kernels")
+@pytest.mark.skipif(not onednn_bf16_available(), reason="oneDNN's bfloat16 layout needs AVX512BW/VL/DQ or "
+                                                         "AVX-NE-CONVERT (an int4 draft keeps no copy without it)")
 def test_int4_wide_copy_takes_calls_of_many_rows():
     """An int4 draft keeps its quantized values in bfloat16 too (`Int4Weight.wide`): calls of `WIDE_ROWS` rows or
     more (prefills, wide batches) multiply on that copy, fewer rows on the int4 kernel; both hold the same values,

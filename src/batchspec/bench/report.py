@@ -55,7 +55,8 @@ def format_table(results: dict) -> str:
         draft = f", draft in {config['draft_dtype']}" if config.get("draft_dtype") else ""
         linears = f", linear layers in {config['linear_backend']}" if config.get("linear_backend") else ""
         memory = f", peak memory {config['peak_rss_mib'] / 1024:.2f} GiB" if config.get("peak_rss_mib") else ""
-        lines.append(f"measured on {config['machine']}, torch {config.get('torch', '?')}{target}{draft}{linears}"
+        gpu = f", models on {config['accelerator']}" if config.get("accelerator") else ""
+        lines.append(f"measured on {config['machine']}{gpu}, torch {config.get('torch', '?')}{target}{draft}{linears}"
                      f"{memory}")
     for point in dict.fromkeys(r["point"] for r in ours):
         group = [r for r in ours if r["point"] == point]

@@ -23,6 +23,7 @@ from batchspec.datasets.prompts import (humaneval_chat_prompt, humaneval_prompts
                                        sharegpt_prompts, truthfulqa_questions)
 from batchspec.engine.engine import Engine
 from batchspec.errors import BatchspecError
+from batchspec.runtime.device import device_description
 from batchspec.runtime.machine import machine_description, peak_rss_mib
 from batchspec.runtime.sampling import SamplingParams
 from batchspec.spec.config import SpecConfig
@@ -320,4 +321,7 @@ def _config_dict(config: BenchConfig, target: LoadedModel, draft: LoadedModel | 
     out["torch"] = torch.__version__
     out["threads"] = torch.get_num_threads()
     out["machine"] = machine_description()
+    out["device"] = str(target.transformer.device)
+    if target.transformer.device.type != "cpu":
+        out["accelerator"] = device_description(target.transformer.device)
     return out

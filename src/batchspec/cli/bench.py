@@ -8,6 +8,7 @@ import sys
 
 from batchspec.cli.options import (add_model_options, add_sampling_options, add_spec_options, positive_int,
                                    resolve_draft, spec_config)
+from batchspec.errors import BatchspecError
 
 DEFAULT_BASELINES = ("hf_generate", "hf_generate_b1", "hf_assisted_b1", "llama_cpp_b1")  # baselines.BASELINES
 
@@ -72,8 +73,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          baseline_prompts=args.baseline_prompts, quality=args.quality)
     config.validate()  # every policy name known before policy_class asks
     needs_draft = any(policy_class(p).speculative for p in policies) or "hf_assisted_b1" in baselines
-    target = load_model(args.target, dtype=args.target_dtype)
-    draft = (load_model(resolve_draft(args.draft or "default", args.target), dtype=args.draft_dtype)
+    if args.device != "cpu" and baselines:
+        raise BatchspecError(f"--baselines run on the CPU (transformers, llama.cpp): with --device {args.device} "
+                             "pass --baselines none")
+    target = load_model(args.target, dtype=args.target_dtype, device=args.device)
+    draft = (load_model(resolve_draft(args.draft or "default", args.target), dtype=args.draft_dtype,
+                        device=args.device)
              if needs_draft else None)
     log = None if sys.stderr.isatty() else (lambda line: print(line, file=sys.stderr, flush=True))
     results = run_bench(config, target, draft, progress=sys.stderr.isatty(), log=log)

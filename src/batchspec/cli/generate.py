@@ -43,13 +43,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     speculative = policy_class(args.policy).speculative
     draft = args.draft if args.draft is not None or not speculative else "default"
     engine = Engine.from_pretrained(args.target, resolve_draft(draft, args.target), draft_dtype=args.draft_dtype,
-                                    target_dtype=args.target_dtype, spec=spec_config(args),
+                                    target_dtype=args.target_dtype, device=args.device, spec=spec_config(args),
                                     max_batch_size=args.batch_size, seed=args.seed)
     show_progress = not args.no_progress and sys.stderr.isatty() and len(prompts) > 1
     outputs = engine.generate(prompts, params, chat=args.chat, progress=show_progress)
     stats = engine.metrics()
     if args.json:
-        json.dump({"target": args.target, "draft": draft, "policy": args.policy, "target_dtype": args.target_dtype,
+        json.dump({"target": args.target, "draft": draft, "policy": args.policy,
+                   "target_dtype": engine.target.transformer.precision,
                    "outputs": [o.as_dict() for o in outputs], "stats": stats}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -59,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(out.text)
         summary = (f"{stats['emitted_tokens']} tokens in {stats['wall_s']:.2f} s: {stats['tokens_per_s']:.1f} "
                    f"tokens/s ({args.policy}, batch {min(args.batch_size, len(prompts))}, target in "
-                   f"{args.target_dtype}, {stats['target_calls']} target calls")
+                   f"{engine.target.transformer.precision}, {stats['target_calls']} target calls")
         if stats["mean_accept_len"] is not None and speculative:
             summary += f", mean accepted length {stats['mean_accept_len']:.2f}, vsr {stats['vsr']:.2f}"
         print(summary + ")", file=sys.stderr)

@@ -20,7 +20,7 @@ def positive_int(text: str) -> int:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    from batchspec.runtime.precision import DEFAULT_TARGET_DTYPE, DRAFT_PRECISION_CHOICES, PRECISIONS
+    from batchspec.runtime.precision import DEFAULT_TARGET_DTYPE, DRAFT_PRECISION_CHOICES, TARGET_PRECISION_CHOICES
     from batchspec.weights.known_models import KNOWN_MODELS
 
     names = ", ".join(KNOWN_MODELS)
@@ -30,10 +30,15 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None,
                         help="draft model for speculative policies: 'default' (the named target's paired draft, "
                              "else the shipped SmolLM2 draft), a known name, a GGUF file or an HF directory")
-    parser.add_argument("--target-dtype", default=DEFAULT_TARGET_DTYPE, choices=PRECISIONS,
+    parser.add_argument("--target-dtype", default=DEFAULT_TARGET_DTYPE, choices=TARGET_PRECISION_CHOICES,
                         help="the target's weights: float32 (default; the reference tests compare with "
-                             "transformers), bfloat16 (about 2x faster where the CPU computes it natively) or int8 "
-                             "(weight-only, bfloat16 activations). Lossless policies reproduce ar at the same dtype")
+                             "transformers), bfloat16 (about 2x faster where the CPU computes it natively, "
+                             "AVX512-BF16 or AMX; emulated and ~20x slower on AVX2-only CPUs), int8 (weight-only, "
+                             "bfloat16 activations) or auto (bfloat16 where native or on a GPU, else float32). "
+                             "Lossless policies reproduce ar at the same dtype")
+    parser.add_argument("--device", default="cpu",
+                        help="where both models run: cpu (default) or cuda / cuda:N (a CUDA build of PyTorch; "
+                             "float32 or bfloat16 weights, the draft's auto means bfloat16 there)")
     parser.add_argument("--draft-dtype", default="auto", choices=DRAFT_PRECISION_CHOICES,
                         help="the draft's weights: auto (bfloat16 where the CPU computes it natively, AVX512-BF16 "
                              "or AMX; else float32), float32, bfloat16, int8 or int4 (weight-only; int4 about 3x "

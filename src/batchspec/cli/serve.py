@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     speculative = policy_class(args.policy).speculative
     draft = args.draft if args.draft is not None or not speculative else "default"
     engine = Engine.from_pretrained(args.target, resolve_draft(draft, args.target), draft_dtype=args.draft_dtype,
-                                    target_dtype=args.target_dtype,
+                                    target_dtype=args.target_dtype, device=args.device,
                                     spec=spec_config(args), max_batch_size=args.max_batch_size, seed=args.seed,
                                     prefill_chunk=args.prefill_chunk or None)
     config = ServerConfig(model_name=args.served_model_name or served_model_name(args.target),

@@ -70,6 +70,9 @@ class Engine:
             raise BatchspecError(f"policy {self.spec.policy!r} needs a draft model (--draft)")
         if draft is not None:
             check_draft_compatible(target, draft)
+            if draft.transformer.device != target.transformer.device:
+                raise BatchspecError(f"the draft is on {draft.transformer.device}, the target on "
+                                     f"{target.transformer.device}: load both on one device")
         verifier = None
         if self.spec.verifier is not None and speculative:
             from batchspec.spec.verifier import load_verifier
@@ -103,11 +106,12 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = None, draft_dtype: str = "auto",
-                        target_dtype: str = DEFAULT_TARGET_DTYPE, **kwargs) -> Engine:
-        """Load both models by name or path, each in its dtype (`precision.PRECISIONS`; the draft also `auto`)."""
+                        target_dtype: str = DEFAULT_TARGET_DTYPE, device: str = "cpu", **kwargs) -> Engine:
+        """Load both models by name or path, each in its dtype (`precision.PRECISIONS`; the draft also `auto`), on
+        `device` (`cpu`, `cuda`: `runtime.device`)."""
         configure_threads()
-        return cls(load_model(target, dtype=target_dtype), load_model(draft, dtype=draft_dtype) if draft else None,
-                   **kwargs)
+        return cls(load_model(target, dtype=target_dtype, device=device),
+                   load_model(draft, dtype=draft_dtype, device=device) if draft else None, **kwargs)
 
     # --- prompts -> requests -------------------------------------------------------------------------------------
 
@@ -302,7 +306,7 @@ class Engine:
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=-1)
         else:
-            probs = token_probs(logits, *params_tensors(params))
+            probs = token_probs(logits.cpu(), *params_tensors(params))  # the draws are the host's
             uniforms = torch.cat([r.uniform() for r in requests])
             tokens = sample_with_uniforms(probs, uniforms)
         now = time.perf_counter()

@@ -31,16 +31,18 @@ model.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from batchspec.errors import BatchspecError
-from batchspec.runtime.precision import cpuinfo_field
+from batchspec.runtime.precision import cpu_flags, cpuinfo_field
 
-BACKENDS: tuple[str, ...] = ("mkl", "onednn")
+BACKENDS: tuple[str, ...] = ("mkl", "onednn")  # CPU backends; a model on a CUDA GPU runs on cuBLAS ("cuda")
 ENV_VAR = "BATCHSPEC_LINEAR_BACKEND"
+ONEDNN_BF16_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
 
 
 def onednn_available() -> bool:
@@ -48,18 +50,30 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def choose_backend(choice: str, vendor: str, onednn: bool, bfloat16: bool = False) -> str:
-    """`auto` -> oneDNN where the build has it for bfloat16 models and on AMD CPUs, else MKL; a named backend as
-    named.
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN can lay out bfloat16 weights on this CPU (its reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT;
+    on an AVX2-only CPU it raises)."""
+    flags = cpu_flags()
+    return onednn_available() and any(needed <= flags for needed in ONEDNN_BF16_FLAGS)
+
+
+def choose_backend(choice: str, vendor: str, onednn: bool, bfloat16: bool = False, bf16_layout: bool = True) -> str:
+    """`auto` -> oneDNN where the build has it for bfloat16 models (where the CPU can lay their weights out:
+    `bf16_layout`) and for float32 on AMD CPUs, else MKL; a named backend as named.
 
     vendor: /proc/cpuinfo's vendor_id ('AuthenticAMD', 'GenuineIntel', '' where unknown).
     """
     if choice == "auto":
-        return "onednn" if onednn and (bfloat16 or vendor == "AuthenticAMD") else "mkl"
+        if bfloat16:
+            return "onednn" if onednn and bf16_layout else "mkl"
+        return "onednn" if onednn and vendor == "AuthenticAMD" else "mkl"
     if choice not in BACKENDS:
         raise BatchspecError(f"unknown linear backend {choice!r} ({ENV_VAR}); use auto, {', '.join(BACKENDS)}")
     if choice == "onednn" and not onednn:
         raise BatchspecError(f"{ENV_VAR}=onednn, but this PyTorch build has no oneDNN (mkldnn) linear layer")
+    if choice == "onednn" and bfloat16 and not bf16_layout:
+        raise BatchspecError(f"{ENV_VAR}=onednn: oneDNN's bfloat16 layout needs AVX512BW/VL/DQ or AVX-NE-CONVERT, "
+                             "which this CPU lacks; use mkl or auto")
     return choice
 
 
@@ -67,7 +81,8 @@ def default_backend(dtype: torch.dtype = torch.float32) -> str:
     """The backend for a model of `dtype` in this process: `BATCHSPEC_LINEAR_BACKEND` (default auto), resolved for
     this CPU."""
     return choose_backend(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto",
-                          cpuinfo_field("vendor_id"), onednn_available(), bfloat16=dtype == torch.bfloat16)
+                          cpuinfo_field("vendor_id"), onednn_available(), bfloat16=dtype == torch.bfloat16,
+                          bf16_layout=onednn_bf16_available())
 
 
 @dataclass(frozen=True)
@@ -168,26 +183,39 @@ def dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
 
 
 BF16_ROWS = 16  # bfloat16 products off oneDNN's packed path run in blocks of exactly this many rows
+# A batch-invariant product on CUDA runs in blocks of exactly this many rows (padded): cuBLAS chooses its kernel, and
+# with it how each row's sums are split, by the call's shape. Memory-bound below ~128 bfloat16 rows on a GPU, so a
+# decode step of up to 128 requests costs one block; float32 (no tensor cores without TF32) takes smaller blocks.
+CUDA_BLOCK_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 128, torch.float32: 32}
 ONEDNN_CHUNK_ROWS = 32  # oneDNN's packed bfloat16 kernel: most rows per call whose results are each row's own
 
 
-def _in_fixed_row_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
-                         packed: PackedWeights | None) -> torch.Tensor:
-    """x (N, in) bfloat16 @ weight^T in blocks of `BF16_ROWS` rows, the last one padded with zero rows.
+def _in_fixed_row_blocks(x: torch.Tensor, block: int,
+                         multiply: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`multiply` (a product x (N, in) -> (N, out)) run on blocks of exactly `block` rows, the last one padded with
+    zero rows.
 
     Batch invariance: MKL's and oneDNN's bfloat16 kernels split the reduction differently for different row counts
     (measured here: a 576 x 1536 product's rows differ by a bfloat16 ulp between 3 and 300 rows; oneDNN's beyond 32
-    rows), so a request's logits would depend on how many rows its batch had, and speculative verification (B*(k+1)
-    rows) would drift from `ar` (B rows). One call shape for every product makes each row's result a function of
-    that row alone. In the memory-bound regime of decoding a 16-row block costs what one row does (a 8960 x 1536
-    matrix: 1.49 ms for 16 rows, 1.51 for a gemv); a prefill of many rows pays one weight pass per block.
+    rows), and cuBLAS picks its kernel by shape, so a request's logits would depend on how many rows its batch had,
+    and speculative verification (B*(k+1) rows) would drift from `ar` (B rows). One call shape for every product
+    makes each row's result a function of that row alone. In the memory-bound regime of decoding a 16-row block
+    costs what one row does on the CPU (a 8960 x 1536 bfloat16 matrix: 1.49 ms for 16 rows, 1.51 for a gemv); a
+    prefill of many rows pays one weight pass per block.
     """
     rows = x.shape[0]
-    padded = x.new_zeros(rows + (-rows) % BF16_ROWS, x.shape[1])
+    padded = x.new_zeros(rows + (-rows) % block, x.shape[1])
     padded[:rows] = x
-    blocks = [linear(padded[i:i + BF16_ROWS], weight, bias, backend, packed=packed, batch_invariant=False)
-              for i in range(0, padded.shape[0], BF16_ROWS)]
+    blocks = [multiply(padded[i:i + block]) for i in range(0, padded.shape[0], block)]
     return (blocks[0] if len(blocks) == 1 else torch.cat(blocks))[:rows]
+
+
+def _cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool) -> torch.Tensor:
+    """x (N, in) @ weight^T on a CUDA GPU: one call, or blocks of `CUDA_BLOCK_ROWS` rows when every row's result must
+    be the same whatever rows share the call."""
+    if not batch_invariant:
+        return F.linear(x, weight, bias)
+    return _in_fixed_row_blocks(x, CUDA_BLOCK_ROWS.get(x.dtype, 32), lambda part: F.linear(part, weight, bias))
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -275,6 +303,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
            batch_invariant: bool = True) -> torch.Tensor:
     """x (N, in) @ weight (out, in)^T (+ bias) -> (N, out).
 
+    On a CUDA GPU: cuBLAS, in fixed blocks of rows when `batch_invariant` (`_cuda`).
     An `Int8Weight` / `Int4Weight`: the weight-only int8 / int4 kernel (x in bfloat16). A weight already in
     oneDNN's layout (`is_mkldnn`, see `Transformer.pack_weights`): oneDNN. float32 or bfloat16 with
     `backend="onednn"`: oneDNN's inner-product kernel, on `packed`'s copy of the weight when given. bfloat16 with
@@ -293,6 +322,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
             return _onednn(x, weight.wide, bias)
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, Int4Weight.GROUP, weight.scales_zeros)
         return out if bias is None else out + bias
+    if x.is_cuda:
+        return _cuda(x, weight, bias, batch_invariant)
     if weight.is_mkldnn and backend != "onednn":  # a model packed for oneDNN asked to run under MKL (tests do)
         weight = weight.to_dense()
     if backend == "onednn" and x.dtype in (torch.float32, torch.bfloat16):
@@ -303,7 +334,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         if chunk:
             return _in_row_chunks(x, w, bias, chunk)
     if batch_invariant and x.dtype == torch.bfloat16:
-        return _in_fixed_row_blocks(x, weight, bias, backend, packed)
+        return _in_fixed_row_blocks(x, BF16_ROWS, lambda part: linear(part, weight, bias, backend, packed=packed,
+                                                                      batch_invariant=False))
     if x.shape[0] == 1:
         if x.dtype == torch.bfloat16:  # bfloat16's F.linear on one row is ~1.5x slower than its gemv (measured)
             out = torch.mv(weight, x[0])[None]

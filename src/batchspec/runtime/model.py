@@ -27,6 +27,7 @@ from batchspec.errors import BatchspecError
 from batchspec.runtime.attention import attention_metadata
 from batchspec.runtime.config import ModelConfig
 from batchspec.runtime.decoder_block import decoder_block
+from batchspec.runtime.device import check_precision_on, synchronize
 from batchspec.runtime.kv_cache import KVCache
 from batchspec.runtime.layer_weights import LayerWeights
 from batchspec.runtime.linear import (Int4Weight, Int8Weight, PackedWeights, QuantizedWeight, default_backend,
@@ -51,6 +52,13 @@ class ForwardOutput:
         full = self.head_logits.new_full((self.head_logits.shape[0], self.vocab_size), -math.inf)
         return full.index_copy_(1, self.head_ids.to(full.device), self.head_logits)
 
+    def logits_to_host(self) -> ForwardOutput:
+        """The same output with its logits (and head ids) on the host; the hidden states stay where they are."""
+        if self.head_logits is None or self.head_logits.device.type == "cpu":
+            return self
+        head_ids = None if self.head_ids is None else self.head_ids.cpu()
+        return ForwardOutput(self.head_logits.cpu(), self.hidden, head_ids, self.vocab_size)
+
 
 class Transformer:
     """Weights plus a ragged batched forward. Stateless apart from weights: the KV cache is passed in."""
@@ -66,7 +74,8 @@ class Transformer:
         self.full_head = lm_head  # (vocab, hidden) whatever the head vocabulary
         self.rope_cos, self.rope_sin = rope_tables(config, config.max_position_embeddings, self.device,
                                                  self.dtype)  # (P, D) each
-        self.linear_backend = default_backend(self.dtype)  # "mkl" or "onednn" (`batchspec.runtime.linear`)
+        # "mkl" or "onednn" on the CPU (`batchspec.runtime.linear`), "cuda" (cuBLAS) on a GPU
+        self.linear_backend = "cuda" if self.device.type == "cuda" else default_backend(self.dtype)
         self.packed_weights = PackedWeights()  # oneDNN's layout of the matrices, made on first use under "onednn"
         # A request's logits do not depend on its batch neighbours, bit for bit, also in bfloat16 (fixed-shape
         # products, float64 attention); what verification against `ar` needs. A draft may drop it (it only proposes).
@@ -130,6 +139,7 @@ class Transformer:
         kinds = {"int8": Int8Weight, "int4": Int4Weight}
         if precision not in kinds:
             raise BatchspecError(f"unknown weight-only precision {precision!r}; use int8 or int4")
+        check_precision_on(self.device, precision)
         if self.dtype != torch.bfloat16 or self.precision != "bfloat16":
             raise BatchspecError(f"{precision} weights need a bfloat16 model, this one is {self.precision}")
         quantize = functools.partial(Int4Weight.quantize, wide=True) if wide and precision == "int4" \
@@ -219,15 +229,17 @@ class Transformer:
         rounded back to bfloat16 even 1e-7 flips some values, which the layers above amplify, so a request's tokens
         would depend on its batch neighbours and verification would drift from `ar`. In float64 the differences
         (~1e-16) are far below bfloat16's resolution. A float32 model keeps float32 attention (its rounding
-        differences stay ~1e-7 without a cast). Attention is a few % of a step.
+        differences stay ~1e-7 without a cast). Attention is a few % of a step. On a CUDA GPU every batch-invariant
+        model attends in float64: which SDPA kernel runs, and how it splits the keys, depends on the shapes.
         """
-        return torch.float64 if batch_invariant and self.dtype == torch.bfloat16 else self.dtype
+        wide = self.dtype == torch.bfloat16 or self.device.type == "cuda"
+        return torch.float64 if batch_invariant and wide else self.dtype
 
     @property
     def invariance_costs(self) -> bool:
-        """Whether batch invariance slows this model's wide calls down (bfloat16: row chunks of the products,
-        float64 attention), so that a forward whose rows never depend on its neighbours should drop it."""
-        return self.batch_invariant and self.dtype == torch.bfloat16
+        """Whether batch invariance slows this model's wide calls down (bfloat16 or CUDA: row blocks of the
+        products, float64 attention), so that a forward whose rows never depend on its neighbours should drop it."""
+        return self.batch_invariant and (self.dtype == torch.bfloat16 or self.device.type == "cuda")
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots: torch.Tensor, num_new: torch.Tensor, tokens: torch.Tensor,
@@ -239,7 +251,8 @@ class Transformer:
         logit_rows: indices into the T packed tokens whose logits are wanted (None with all_logits: every row).
         batch_invariant: None for the model's own setting; False for a forward whose batch is the same whatever
         else runs (one whole prompt alone), which then takes the full-width kernels.
-        Advances the cache lengths by num_new. Returns logits for the chosen rows and hidden states for all T.
+        Advances the cache lengths by num_new. Returns logits for the chosen rows and hidden states for all T, on the
+        model's device (the inputs may be on the host).
         """
         c = self.config
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant
@@ -251,7 +264,8 @@ class Transformer:
         if int(num_new.sum()) != total:
             raise ValueError(f"num_new sums to {int(num_new.sum())} but {total} tokens were given")
         if total == 0:
-            return ForwardOutput(None, torch.empty(0, c.hidden_size, dtype=self.dtype), self.head_ids, c.vocab_size)
+            return ForwardOutput(None, torch.empty(0, c.hidden_size, dtype=self.dtype, device=self.device),
+                                 self.head_ids, c.vocab_size)
         # Positions, mask and cache paths depend on the batch, not the layer: built once, read by every layer.
         meta = attention_metadata(cache, slots, num_new, self.rope_cos, self.rope_sin, c.num_groups,
                                   self.attention_dtype(invariant), self.device)
@@ -271,4 +285,6 @@ class Transformer:
             logits = lin(hidden, self.lm_head)
         else:
             logits = None
-        return ForwardOutput(None if logits is None else logits.float(), hidden, self.head_ids, c.vocab_size)
+        out = ForwardOutput(None if logits is None else logits.float(), hidden, self.head_ids, c.vocab_size)
+        synchronize(dev)  # on a GPU: the callers time their forwards (stats, profiles) and read the results next
+        return out

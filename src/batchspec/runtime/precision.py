@@ -1,9 +1,10 @@
-"""The type each model runs in: `--target-dtype float32|bfloat16|int8`, `--draft-dtype` those, `auto` or `int4`.
+"""The type each model runs in: `--target-dtype float32|bfloat16|int8|auto`, `--draft-dtype` those or `int4`.
 
 A decode step streams every weight once, so bytes per weight set the step time at small batch. Where the CPU has
 native bfloat16 arithmetic (AVX512-BF16 or AMX) bfloat16 halves those bytes and runs its matrix products about twice
 as fast (measured on a Zen 5 EPYC, 12 of Qwen2.5-1.5B's 1536 x 8960 MLP matrices: float32 16.8 / 25.0 / 76.7 ms at
-1 / 16 / 80 rows, bfloat16 8.5 / 12.8 / 42.1). Without it bfloat16 is emulated and slower, so the draft's `auto`
+1 / 16 / 80 rows, bfloat16 8.5 / 12.8 / 42.1). Without it bfloat16 is emulated and much slower (an AVX2-only EPYC,
+2 threads, one 8960 x 1536 matrix at one row: 145 ms in bfloat16, 7.5 ms in float32), so `auto` (either model's)
 picks float32 there. `int8` is weight-only int8 (`linear.Int8Weight`) with bfloat16 everything else: faster still at
 one to four rows, slower from about sixteen. `int4` (the draft only: `linear.Int4Weight`) streams a quarter of
 bfloat16's bytes, about 3x faster at one row, no faster from about eight rows.
@@ -24,7 +25,8 @@ from batchspec.errors import BatchspecError
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES: tuple[str, ...] = ("auto", *DTYPES)  # float types (the draft's features, distillation's autocast)
-PRECISIONS: tuple[str, ...] = (*DTYPES, "int8")  # how a model's weights may run (`--target-dtype`)
+PRECISIONS: tuple[str, ...] = (*DTYPES, "int8")  # how a model's weights may run
+TARGET_PRECISION_CHOICES: tuple[str, ...] = (*PRECISIONS, "auto")  # `--target-dtype`: auto as the draft's
 DRAFT_PRECISION_CHOICES: tuple[str, ...] = ("auto", *PRECISIONS, "int4")  # int4: a draft's option only
 DEFAULT_TARGET_DTYPE = "float32"
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo names of native bfloat16 arithmetic

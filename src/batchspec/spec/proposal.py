@@ -76,12 +76,15 @@ def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[lis
     num_new, tokens, last_rows = ragged_inputs(pending)
     for step in range(k_prime):
         out = draft.forward(cache, slots[rows], num_new, tokens, logit_rows=last_rows)
+        if not greedy_all:
+            out = out.logits_to_host()  # a draft on a GPU: sampling (q, the draws) happens on the host
         # Over the draft's head vocabulary (all tokens, or the ones a restricted head can propose): q is 0 elsewhere.
         log_softmax = out.head_logits.log_softmax(dim=-1)  # (R, N)
         if greedy_all:
             index = out.head_logits.argmax(dim=-1)  # (R,) position in the head vocabulary (sorted: ties as in V)
             token = index if out.head_ids is None else out.head_ids[index]
-            score = log_softmax.gather(-1, index[:, None])[:, 0]
+            score = log_softmax.gather(-1, index[:, None])[:, 0].cpu()
+            token = token.cpu()
         else:
             q = token_probs(out.logits, sampling[0][rows], sampling[1][rows], sampling[2][rows])  # (R, V)
             token = sample_with_uniforms(q, uniforms[rows, step])
@@ -96,7 +99,7 @@ def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[lis
             # SPRINTER features: the hidden state that produced the token, its log q and the draft's entropy.
             entropy = -(log_softmax.exp() * log_softmax).sum(-1)  # (R,)
             logq = log_softmax.gather(-1, index[:, None])[:, 0]  # (R,)
-            scores[rows, step] = scorer(out.hidden[last_rows], logq, entropy)
+            scores[rows, step] = scorer(out.hidden[last_rows], logq, entropy).cpu()
             if scorer.stop_below is not None:
                 keep = scores[rows, step] >= scorer.stop_below
         if keep_drafting is not None and step + 1 < k_prime:
@@ -148,9 +151,10 @@ def score(target: Transformer, cache: KVCache, slots: Tensor, last: Tensor, prop
     used = position < num_new[:, None]  # (B, K'+1) which inputs each request sends
     logits = target.forward(cache, slots, num_new, inputs[used]).logits  # (T, V), T = sum(l) + B
     argmax = torch.zeros(batch, k_prime + 1, dtype=torch.int64)
-    argmax[used] = logits.argmax(dim=-1)
+    argmax[used] = logits.argmax(dim=-1).cpu()
     if sampling is None:
         return Scored(None, argmax)
+    logits = logits.cpu()  # a target on a GPU: p on the host, where the acceptance rule runs
     rows = torch.repeat_interleave(torch.arange(batch), num_new)  # (T,) request of each scored position
     p = token_probs(logits, sampling[0][rows], sampling[1][rows], sampling[2][rows])  # (T, V)
     probs = torch.zeros(batch, k_prime + 1, p.shape[-1])

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from batchspec.errors import BatchspecError
+from batchspec.runtime.device import device_description
 from batchspec.runtime.machine import machine_description
 from batchspec.runtime.model import Transformer
 
@@ -140,7 +141,8 @@ def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max:
     def model_id(model: Transformer) -> dict:
         weights = model.embed.float()
         return {"config": model.config.as_dict(), "embed": [float(weights[:64].sum()), float(weights[-64:].sum())],
-                "dtype": model.precision, "linear": model.linear_backend}
+                "dtype": model.precision, "linear": model.linear_backend, "device": str(model.device),
+                "accelerator": device_description(model.device)}
 
     key = {"target": model_id(target), "draft": model_id(draft), "max_batch": max_batch, "k_max": k_max,
            "torch": torch.__version__, "cpu": machine_description(), "runtime": runtime_code_version(),

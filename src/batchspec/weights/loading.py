@@ -15,7 +15,8 @@ from safetensors import SafetensorError, safe_open
 
 from batchspec.errors import BatchspecError
 from batchspec.runtime.config import ModelConfig
-from batchspec.runtime.linear import onednn_available
+from batchspec.runtime.device import check_precision_on, resolve_device
+from batchspec.runtime.linear import onednn_bf16_available
 from batchspec.weights import known_models
 from batchspec.weights.gguf_conversion import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, convert_gguf, gguf_config,
                                                gguf_state_dict, unpermute_rope)
@@ -52,17 +53,21 @@ def resolve_model_dir(spec: str | Path) -> Path:
     raise BatchspecError(f"unrecognised model file {path}: expected a directory with config.json or a .gguf file")
 
 
-def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                      full_head: bool = False) -> Transformer:
     """The model in an HF directory; its LM head restricted to the stored head vocabulary unless `full_head`.
 
     dtype: a float type, or a precision name (`precision.PRECISIONS`: float32, bfloat16, int8; the draft's `auto`
-    and `int4`).
+    and `int4`). device: `cpu`, `cuda` or `cuda:N` (`runtime.device`; int8 and int4 are the CPU's only).
 
     Tensors are read one at a time from the memory-mapped files and converted to `dtype` on the way, and the fused
     matrices replace their parts as they are built, so loading never holds the weights twice.
     """
+    device = resolve_device(device)
+    if device.type == "cuda" and dtype == "auto":
+        dtype = "bfloat16"  # every CUDA GPU this runs on computes bfloat16 natively
     precision = resolve_precision(dtype) if isinstance(dtype, str) else dtype_name(dtype)
+    check_precision_on(device, precision)
     dtype = compute_dtype(precision)
     config = ModelConfig.from_file(model_dir / "config.json")
     files = sorted(model_dir.glob("*.safetensors"))
@@ -71,7 +76,7 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            with safe_open(str(file), framework="pt", device=device) as f:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():
                     weights[name] = f.get_tensor(name).to(dtype)
         except (SafetensorError, OSError, ValueError) as bad:
@@ -85,7 +90,7 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
             raise BatchspecError(f"{model_dir / HEAD_VOCAB_FILE}: {bad}") from None
     if precision in ("int8", "int4"):
         # An int4 model is a draft: it also prefills, where int4's kernel is slow (`Int4Weight.WIDE_ROWS`).
-        transformer.quantize_weights(precision, wide=precision == "int4" and onednn_available())
+        transformer.quantize_weights(precision, wide=precision == "int4" and onednn_bf16_available())
     return transformer
 
 
@@ -120,7 +125,7 @@ class LoadedModel:
         return frozenset(int(i) for i in ids)
 
 
-def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                full_head: bool = False) -> LoadedModel:
     """Load `default`, a known model's name, a GGUF file or an HF directory: weights into the native runtime (in
     `dtype`: a float type or a precision name, see `load_transformer`), plus the tokenizer.
