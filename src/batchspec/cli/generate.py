@@ -44,7 +44,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft = args.draft if args.draft is not None or not speculative else "default"
     engine = Engine.from_pretrained(args.target, resolve_draft(draft, args.target), draft_dtype=args.draft_dtype,
                                     target_dtype=args.target_dtype, device=args.device, spec=spec_config(args),
-                                    max_batch_size=args.batch_size, seed=args.seed)
+                                    max_batch_size=min(args.batch_size, len(prompts)), seed=args.seed)
     show_progress = not args.no_progress and sys.stderr.isatty() and len(prompts) > 1
     outputs = engine.generate(prompts, params, chat=args.chat, progress=show_progress)
     stats = engine.metrics()
