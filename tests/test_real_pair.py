@@ -40,8 +40,9 @@ def draft():
 
 
 @pytest.fixture(scope="module")
-def bf16_draft():
-    return load_model(DRAFT, dtype="bfloat16")  # what the shipped verifier was trained on
+def bf16_draft(draft):
+    """What the shipped verifier was trained on: the `draft` fixture itself where `auto` resolved to bfloat16."""
+    return draft if draft.transformer.precision == "bfloat16" else load_model(DRAFT, dtype="bfloat16")
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
