@@ -111,6 +111,67 @@ def test_a_model_packs_every_matrix_up_front_and_keeps_one_copy(tiny_model_facto
                                              tokens).logits, before, atol=1e-4, rtol=1e-4)
 
 
+def test_an_untied_head_is_packed_in_place_and_can_still_be_restricted(tiny_model_factory):
+    from batchspec.runtime.linear import dense
+    from batchspec.weights.loading import load_transformer
+
+    model = load_transformer(tiny_model_factory("qwen2"))  # Qwen2's tiny model has its own LM head
+    assert model.full_head is not model.embed
+    head = model.full_head.clone()
+    tokens = torch.tensor([5, 6, 7])
+
+    def logits():
+        cache = model.new_cache(1, 16)
+        return model.forward(cache, torch.tensor([cache.allocate()]), torch.tensor([3]), tokens).logits
+
+    model.linear_backend = "onednn"
+    before = logits()
+    model.pack_weights()
+    # No copy: the head itself is packed, as the layer matrices are (and the copies the forward above made on
+    # first use are dropped with the originals).
+    assert model.lm_head is model.full_head and model.full_head.is_mkldnn and len(model.packed_weights) == 0
+    assert torch.equal(dense(model.full_head), head)
+    torch.testing.assert_close(logits(), before, atol=1e-4, rtol=1e-4)
+    model.restrict_head(torch.tensor([3, 9, 40]))  # rows of the packed head
+    assert torch.equal(model.lm_head, head[[3, 9, 40]])
+    model.restrict_head(None)
+    assert model.lm_head is model.full_head
+
+
+def test_loaded_tensors_own_their_memory(tiny_model_factory):
+    """Not views of the memory-mapped file: one such view would keep every page of the file that was ever read
+    resident beside the model's weights."""
+    from batchspec.weights.loading import read_tensors
+
+    model_dir = tiny_model_factory("qwen2")
+    tensors = dict(read_tensors(model_dir / "model.safetensors", torch.float32, torch.device("cpu")))
+    assert "lm_head.weight" in tensors
+    for tensor in tensors.values():
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantizing_in_row_chunks_gives_the_same_weights(monkeypatch, precision):
+    """Matrices are quantized QUANTIZE_ROWS rows at a time (bounded temporaries): the result must be that of the
+    whole matrix at once, bit for bit."""
+    from batchspec.runtime.linear import Int4Weight, Int8Weight
+
+    kind = {"int8": Int8Weight, "int4": Int4Weight}[precision]
+    weight = 0.05 * torch.randn(112, 64, generator=torch.Generator().manual_seed(0))
+    whole = kind.quantize(weight)
+    monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 32)  # 4 chunks, the last one short (int4: rows by 16s)
+    chunked = kind.quantize(weight)
+    assert chunked.shape == whole.shape
+    assert torch.equal(chunked.dequantize(), whole.dequantize())
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(linear(x, chunked), linear(x, whole))
+    if precision == "int4" and onednn_bf16_available():  # the bfloat16 copy for calls of many rows, too
+        monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 8192)
+        whole = kind.quantize(weight, wide=True)
+        monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 32)
+        assert torch.equal(kind.quantize(weight, wide=True).wide.to_dense(), whole.wide.to_dense())
+
+
 def test_int8_weights_multiply_as_their_dequantised_values_and_rows_stay_independent():
     from batchspec.runtime.linear import Int8Weight, dense
 

@@ -16,6 +16,10 @@ def test_draft_dtype_auto_follows_native_bfloat16(monkeypatch):
     assert precision.resolve_dtype("auto") == torch.bfloat16
     monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert precision.resolve_dtype("auto") == torch.float32
+    # On a CUDA GPU auto is bfloat16 whatever the host CPU computes (a pure rule: no GPU needed to test it).
+    assert precision.resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert precision.resolve_precision("auto", "cuda:1") == "bfloat16"
+    assert precision.resolve_precision("auto") == "float32" and precision.resolve_precision("int4", "cuda") == "int4"
     assert precision.resolve_dtype("bfloat16") == torch.bfloat16
     assert precision.dtype_name(precision.resolve_dtype("float32")) == "float32"
     with pytest.raises(BatchspecError, match="unknown draft dtype 'fp8'"):

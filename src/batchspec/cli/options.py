@@ -88,20 +88,21 @@ def spec_config(args: argparse.Namespace):
                       turn_on_batch_size=args.turn_on_batch_size, k_max=args.k_max,
                       measure_oracle=args.measure_oracle,
                       verifier=resolve_verifier(args.verifier, getattr(args, "draft", None),
-                                                getattr(args, "target", None), getattr(args, "draft_dtype", None)),
+                                                getattr(args, "target", None), getattr(args, "draft_dtype", None),
+                                                getattr(args, "device", "cpu")),
                       tau=args.tau, block_cap=args.block_cap, tetris_scores=args.tetris_scores,
                       prune_drafts=args.prune_drafts)
 
 
 def resolve_verifier(spec: str | None, draft: str | None = None, target: str | None = None,
-                     draft_dtype: str | None = None) -> str | None:
+                     draft_dtype: str | None = None, device: str = "cpu") -> str | None:
     """`default` -> the verifier shipped for the draft (`--draft default` meaning the target's paired draft) in the
-    precision it runs in (`--draft-dtype`; None: the first one shipped)."""
+    precision it runs in (`--draft-dtype` on `--device`; None: the first one shipped)."""
     if spec == "default":
         from batchspec.runtime.precision import resolve_precision
         from batchspec.weights.known_models import default_verifier_dir
 
-        precision = resolve_precision(draft_dtype) if draft_dtype is not None else None
+        precision = resolve_precision(draft_dtype, device) if draft_dtype is not None else None
         return str(default_verifier_dir(resolve_draft(draft, target), precision))
     return spec
 

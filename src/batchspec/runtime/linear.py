@@ -10,8 +10,9 @@ kernels from the instruction sets the CPU reports, whoever made it. Measured on 
 
 oneDNN runs faster still on weights reordered once into its own blocked layout (`PackedWeights`) instead of on
 every call: 1.2-1.7x again in interleaved runs (16 rows 16.3 vs 25.4 ms, 80 rows 34.3 vs 44.3 on a busy host),
-whatever the row count the layout was made for. The packed copies cost memory (as much as the matrices; the
-originals stay for everything else that reads weights). A bfloat16 model (a draft) runs on packed weights too:
+whatever the row count the layout was made for. A model's layer matrices (and an untied LM head) are replaced by
+their packed form (`Transformer.pack_weights`), so they are held once; a tied head gets a packed copy beside the
+embedding, which token lookups read. A bfloat16 model (a draft) runs on packed weights too:
 PyTorch already sends bfloat16 matmuls to oneDNN but reorders the weights on every call; packed, the shipped
 draft's six layers and head ran 2-3x faster (16 rows 5.9 -> 3.0 ms, one row 5.7 -> 2.0 ms).
 
@@ -85,6 +86,12 @@ def default_backend(dtype: torch.dtype = torch.float32) -> str:
                           bf16_layout=onednn_bf16_available())
 
 
+# Matrices are quantized this many rows at a time (rows are independent in both layouts), so quantizing the 1.5B
+# target's 151936-row LM head does not make several float32 temporaries of all of it (~2 GiB at once). A multiple
+# of 16: torch's int4 layout takes rows by sixteens.
+QUANTIZE_ROWS = 8192
+
+
 @dataclass(frozen=True)
 class Int8Weight:
     """A matrix in weight-only int8: symmetric per-output-channel scales, activations stay bfloat16.
@@ -101,12 +108,17 @@ class Int8Weight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        parts = [cls._quantize_rows(rows) for rows in weight.split(QUANTIZE_ROWS)]
+        return cls(torch.cat([values for values, _ in parts]), torch.cat([scales for _, scales in parts]))
+
+    @staticmethod
+    def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = weight.float()
         # The scales are rounded to bfloat16 (what the kernel reads) before the values are: each value is then the
         # nearest multiple of the scale actually used, within half a step.
         scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(torch.bfloat16)  # (out,)
         values = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(values.contiguous(), scales)
+        return values.contiguous(), scales
 
     def dequantize(self) -> torch.Tensor:
         return self.values.float() * self.scales.float()[:, None]
@@ -147,21 +159,35 @@ class Int4Weight:
     def quantize(cls, weight: torch.Tensor, wide: bool = False) -> Int4Weight:
         """wide: also keep the quantized values in bfloat16 on oneDNN's packed layout (half the bytes of the
         bfloat16 model again) for calls of `WIDE_ROWS` or more rows, so one model runs at every row count."""
-        out_features, in_features = weight.shape
+        in_features = weight.shape[1]
         if in_features % cls.GROUP:
             raise BatchspecError(f"int4 weights need input sizes divisible by {cls.GROUP}, got {in_features}")
+        parts = [cls._quantize_rows(rows, wide) for rows in weight.split(QUANTIZE_ROWS)]
+        packed = torch.cat([packed for packed, _, _ in parts])
+        scales_zeros = torch.cat([scales_zeros for _, scales_zeros, _ in parts], dim=1)
+        copy = None
+        if wide:
+            values = torch.cat([values for _, _, values in parts])
+            copy = torch.ops.mkldnn._reorder_linear_weight(values, PackedWeights.ROWS_HINT)
+        return cls(packed, scales_zeros, torch.Size(weight.shape), copy)
+
+    @classmethod
+    def _quantize_rows(cls, weight: torch.Tensor,
+                       wide: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Some rows -> their packed values (rows, in / 2), scales and zeros (in / GROUP, rows, 2) and, if `wide`,
+        the quantized values in bfloat16 (rows, in). Rows are independent here and in the packed layout."""
+        out_features, in_features = weight.shape
         groups = weight.float().reshape(out_features, in_features // cls.GROUP, cls.GROUP)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
         scale = ((high - low) / 15).clamp(min=1e-8).to(torch.bfloat16).float()  # rounded as the kernel reads it
         values = torch.round((groups - low) / scale).clamp(0, 15)
         zero = (low + 8 * scale).to(torch.bfloat16)  # q = 8 maps to `zero`
         packed = torch._convert_weight_to_int4pack_for_cpu(values.to(torch.int32).reshape(weight.shape), 2)
-        scales_zeros = torch.stack([scale.to(torch.bfloat16)[..., 0].t(), zero[..., 0].t()], dim=-1).contiguous()
-        copy = None
-        if wide:
-            values = (values * scale + low).reshape(weight.shape).to(torch.bfloat16)  # (q - 8) * scale + zero
-            copy = torch.ops.mkldnn._reorder_linear_weight(values.contiguous(), PackedWeights.ROWS_HINT)
-        return cls(packed, scales_zeros, torch.Size(weight.shape), copy)
+        scales_zeros = torch.stack([scale.to(torch.bfloat16)[..., 0].t(), zero[..., 0].t()], dim=-1)
+        wide_values = None
+        if wide:  # (q - 8) * scale + zero
+            wide_values = (values * scale + low).reshape(weight.shape).to(torch.bfloat16)
+        return packed, scales_zeros, wide_values
 
     def dequantize(self) -> torch.Tensor:
         identity = torch.eye(self.shape[1], dtype=torch.bfloat16)

@@ -56,22 +56,24 @@ def native_bf16() -> bool:
     return bool(NATIVE_BF16_FLAGS & cpu_flags())
 
 
-def resolve_dtype(choice: str) -> torch.dtype:
-    """`auto` -> bfloat16 on CPUs with native bfloat16, else float32; `float32` / `bfloat16` as named."""
+def resolve_dtype(choice: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """`auto` -> bfloat16 on a CUDA GPU (every one this runs on computes it natively) and on CPUs with native
+    bfloat16, else float32; `float32` / `bfloat16` as named."""
     if choice == "auto":
-        return torch.bfloat16 if native_bf16() else torch.float32
+        return torch.bfloat16 if torch.device(device).type == "cuda" or native_bf16() else torch.float32
     try:
         return DTYPES[choice]
     except KeyError:
         raise BatchspecError(f"unknown draft dtype {choice!r}; use one of {', '.join(DTYPE_CHOICES)}") from None
 
 
-def resolve_precision(choice: str) -> str:
-    """`auto` -> bfloat16 on CPUs with native bfloat16, else float32; float32 / bfloat16 / int8 / int4 as named."""
+def resolve_precision(choice: str, device: torch.device | str = "cpu") -> str:
+    """`auto` -> bfloat16 or float32 as `resolve_dtype` chooses for `device`; float32 / bfloat16 / int8 / int4 as
+    named."""
     if choice in ("int8", "int4"):
         return choice
     if choice == "auto" or choice in DTYPES:
-        return dtype_name(resolve_dtype(choice))
+        return dtype_name(resolve_dtype(choice, device))
     raise BatchspecError(f"unknown dtype {choice!r}; use one of {', '.join(DRAFT_PRECISION_CHOICES)}")
 
 

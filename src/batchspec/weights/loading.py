@@ -8,6 +8,7 @@ from safetensors or GGUF — nothing is unpickled.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -60,27 +61,18 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
     dtype: a float type, or a precision name (`precision.PRECISIONS`: float32, bfloat16, int8; the draft's `auto`
     and `int4`). device: `cpu`, `cuda` or `cuda:N` (`runtime.device`; int8 and int4 are the CPU's only).
 
-    Tensors are read one at a time from the memory-mapped files and converted to `dtype` on the way, and the fused
-    matrices replace their parts as they are built, so loading never holds the weights twice.
+    Tensors are read one at a time into memory of their own (`read_tensors`) and converted to `dtype` on the way,
+    and the fused matrices replace their parts as they are built, so loading never holds the weights twice.
     """
     device = resolve_device(device)
-    if device.type == "cuda" and dtype == "auto":
-        dtype = "bfloat16"  # every CUDA GPU this runs on computes bfloat16 natively
-    precision = resolve_precision(dtype) if isinstance(dtype, str) else dtype_name(dtype)
+    precision = resolve_precision(dtype, device) if isinstance(dtype, str) else dtype_name(dtype)
     check_precision_on(device, precision)
     dtype = compute_dtype(precision)
     config = ModelConfig.from_file(model_dir / "config.json")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise BatchspecError(f"no *.safetensors weights in {model_dir}")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for name in f.keys():
-                    weights[name] = f.get_tensor(name).to(dtype)
-        except (SafetensorError, OSError, ValueError) as bad:
-            raise BatchspecError(f"cannot read weights {file}: {bad}") from None
+    weights = {name: tensor for file in files for name, tensor in read_tensors(file, dtype, device)}
     transformer = Transformer.from_hf_state_dict(config, weights, consume=True)
     head_ids = None if full_head else read_head_vocab(model_dir)
     if head_ids is not None:
@@ -92,6 +84,28 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
         # An int4 model is a draft: it also prefills, where int4's kernel is slow (`Int4Weight.WIDE_ROWS`).
         transformer.quantize_weights(precision, wide=precision == "int4" and onednn_bf16_available())
     return transformer
+
+
+def read_tensors(file: Path, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a safetensors file as (name, tensor in `dtype` on `device`), in memory of its own.
+
+    safetensors memory-maps the file and hands out views of the mapping: a tensor kept as such a view (any tensor
+    already in `dtype`) pins the whole mapping, and every page of the file the process ever reads stays resident
+    beside the model's own copies (measured, the 1.5B target in float32 after oneDNN packing: 11.9 GiB resident,
+    5.8 of it the file's pages; peak 13.4). So every tensor is copied out, and the file is opened anew for each one:
+    its pages are unmapped as soon as the tensor is read, and the process never holds more than one tensor of the
+    file besides the weights (peak 2.6 GiB for the 0.5B draft's 2.3 GiB of float32, 4.9 with one mapping open
+    throughout).
+    """
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            names = list(f.keys())
+        for name in names:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                tensor = f.get_tensor(name)
+            yield name, tensor.to(dtype, copy=True)
+    except (SafetensorError, OSError, ValueError) as bad:
+        raise BatchspecError(f"cannot read weights {file}: {bad}") from None
 
 
 # --- a model ready to run: weights plus tokenizer -------------------------------------------------------------
