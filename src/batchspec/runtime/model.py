@@ -115,7 +115,7 @@ class Transformer:
         exactly, `linear.dense` recovers them), so the model holds its weights once, not twice. So is an untied full
         LM head; a tied one (the embedding, which token lookups read) or a restricted one gets a packed copy (the
         1.5B target in float32, untied: 6.6 GiB of weights, 7.9 GiB resident after packing with a copy of its
-        0.85 GiB head, 7.1 without). A batch-invariant bfloat16 model also
+        0.85 GiB head, 7.0 without). A batch-invariant bfloat16 model also
         runs `linear.invariant_chunk_rows`'s checks now, once per matrix shape.
         """
         if self.linear_backend != "onednn" or isinstance(self.lm_head, QuantizedWeight):

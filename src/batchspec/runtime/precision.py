@@ -60,7 +60,8 @@ def resolve_dtype(choice: str, device: torch.device | str = "cpu") -> torch.dtyp
     """`auto` -> bfloat16 on a CUDA GPU (every one this runs on computes it natively) and on CPUs with native
     bfloat16, else float32; `float32` / `bfloat16` as named."""
     if choice == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" or native_bf16() else torch.float32
+        on_gpu = str(device).strip().lower().partition(":")[0] == "cuda"  # not validated here: `device.py` does
+        return torch.bfloat16 if on_gpu or native_bf16() else torch.float32
     try:
         return DTYPES[choice]
     except KeyError:
