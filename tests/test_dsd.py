@@ -40,3 +40,24 @@ def test_acceptance_ema() -> None:
     updated = ema.update(0.3)
     assert updated.value == pytest.approx(0.85 * 0.7 + 0.15 * 0.3)
     assert ema.value == 0.7  # immutable: state is passed explicitly
+
+
+def test_dsd_reads_the_profiled_tables_where_a_line_cannot_fit_the_staircase() -> None:
+    """The Qwen pair's bfloat16 target at batch 8 (measured 2026-12-05, AVX-512, 2 threads): a pass costs about one
+    weight read up to 32 rows and two from 33 on. The line fitted across that staircase gives each verified row a
+    negative cost; the tables give dsd the window that fills 32 rows."""
+    from batchspec.spec.policies import make_policy
+    from batchspec.spec.config import SpecConfig
+    from batchspec.spec.step_time import RowTimeTable, StepCost
+
+    target = RowTimeTable((1, 8, 16, 24, 32, 33, 40, 64, 72), (0.140, 0.165, 0.181, 0.201, 0.218, 0.370, 0.370,
+                                                               0.420, 0.560))
+    draft = RowTimeTable((1, 4, 8), (0.027, 0.043, 0.061))
+    line = StepTimeModel(c_fixed=0.147, c_draft_step=0.0147, c_draft_token=0.0127, c_target_token=-0.00136)
+    cost = StepCost(line, target, draft)
+    assert cost(8, 3) == pytest.approx(3 * 0.061 + 0.218)
+    assert cost(8, 0) == pytest.approx(0.165)
+    assert StepCost(line)(8, 3) == line(8, 3)  # without tables: the fitted line
+    assert dsd_choose_k(0.95, 8, 8, cost) == 3  # 4 rows each: one weight pass
+    policy = make_policy(SpecConfig(policy="dsd", k_max=8), None, 8)
+    assert policy.needs_row_times  # the engine profiles both tables for it

@@ -94,7 +94,7 @@ class RowTimeTable:
 @dataclass(frozen=True)
 class StepCost:
     """A step's time by its parts: K' draft passes over B rows and one target pass over the verified rows, each from
-    its own profiled table (`needs_row_times`), and dsd's fitted T(B, k) as a whole."""
+    its own profiled table (`needs_row_times`), and T(B, k) as a whole (from the tables, else dsd's fitted line)."""
 
     model: StepTimeModel
     target: RowTimeTable | None = None  # the target's forward by rows scored
@@ -108,18 +108,29 @@ class StepCost:
         return self.target(rows)
 
     def __call__(self, batch_size: int, k: int) -> float:
-        return self.model(batch_size, k)
+        """T(B, k): k draft passes over B requests and a target pass over B * (k + 1) rows, from the profiled tables
+        where there are (a line fitted across the target's staircase of row blocks may even give verified rows a
+        negative cost), else dsd's fitted model."""
+        if self.target is None or self.draft is None:
+            return self.model(batch_size, k)
+        return self.draft_s(batch_size, k) + float(self.target_s(batch_size * (k + 1)))
+
+
+# Forwards are timed after this many tokens of context: a chat prompt and part of its answer (HumanEval's chat prompts
+# run 100-250 tokens, answers 128-256), where attention's share of a step is what a served request sees.
+PROFILE_CONTEXT = 256
 
 
 def _time_forward(model: Transformer, batch: int, tokens_each: int, repeats: int = 2) -> float:
-    """Median seconds of one forward of `batch` requests appending `tokens_each` tokens after a 64-token context."""
-    cache = model.new_cache(batch, 64 + tokens_each + 1)
+    """Median seconds of one forward of `batch` requests appending `tokens_each` tokens after `PROFILE_CONTEXT`
+    tokens of context. The context is the cache's zeros, never computed: attention's cost depends on how many keys
+    it reads, not on their values, and a prefill per profiled point would cost more than the profile."""
+    context_len = max(0, min(PROFILE_CONTEXT, model.config.max_position_embeddings - tokens_each - 1))
+    cache = model.new_cache(batch, context_len + tokens_each + 1)
     slots = torch.tensor([cache.allocate() for _ in range(batch)])
-    context = torch.full((batch,), 64, dtype=torch.int64)
-    model.forward(cache, slots, context, torch.randint(0, model.config.vocab_size, (64 * batch,)), all_logits=False)
     times = []
     for _ in range(repeats + 1):  # the first call warms up and is dropped
-        cache.lengths[slots] = 64
+        cache.lengths[slots] = context_len
         num_new = torch.full((batch,), tokens_each, dtype=torch.int64)
         tokens = torch.randint(0, model.config.vocab_size, (batch * tokens_each,))
         started = time.perf_counter()
@@ -146,6 +157,7 @@ def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max:
 
     key = {"target": model_id(target), "draft": model_id(draft), "max_batch": max_batch, "k_max": k_max,
            "torch": torch.__version__, "cpu": machine_description(), "runtime": runtime_code_version(),
+           "context": PROFILE_CONTEXT,
            "machine": platform.machine(), "node": platform.node()}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 

@@ -53,6 +53,7 @@ class DsdPolicy(SdPolicy):
 
     name = "dsd"
     needs_step_time = True
+    needs_row_times = True  # T(B, k) from both models' profiled tables (`StepCost.__call__`)
     description = "window k chosen per step by goodput"
 
     def __init__(self, spec, verifier=None) -> None:
