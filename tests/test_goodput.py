@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -117,6 +118,48 @@ def test_goodput_drafts_the_cap_first_then_explores_ever_more_rarely():
     lengths = [goodput.draft_length(4, expensive) for _ in range(3 * wait + 1)]
     # One draft after `wait` plain steps, then after twice as many while drafting keeps not paying.
     assert lengths == [0] * (wait - 1) + [1] + [0] * (2 * wait - 1) + [1] + [0]
+
+
+def test_positions_past_the_drafts_follow_the_calibration():
+    """Every position's expected survival follows the latest calibration, also those the last steps did not draft:
+    the first step, rated by the prior alone, must not cap K' for good (it did: positions past the next K' kept the
+    first step's estimate)."""
+    goodput = Goodput(max_draft=8)
+    drafts = np.log(np.full((4, 8), 0.93))  # the prior rates them 0.925 each: 0.54 to survive all 8
+    goodput.survival(drafts)
+    assert goodput.expected_survival[7] == pytest.approx(0.925 ** 8)
+    goodput.observe(drafts, np.full(4, 8), np.full(4, 8))  # every one accepted
+    for _ in range(30):  # then K' = 5 steps, every draft accepted
+        goodput.survival(drafts[:, :5])
+        goodput.observe(drafts[:, :5], np.full(4, 5), np.full(4, 5))
+    assert goodput.expected_survival[5:].min() > 0.9
+    assert best_draft_length(goodput.expected_survival, 4, _cost(draft_step=0.01, per_row=0.001)) == 8
+    sure = drafts[:, :5]
+    # A request that stopped drafting (pruned) continues at the rate drafts at each further position have had, not
+    # at zero; past the deepest position ever drafted, at the deepest one's.
+    pruned = sure.copy()
+    pruned[0, 2:] = -np.inf
+    bins = bin_of(pruned)
+    continued = goodput._continued(bins, goodput._survival(bins))
+    depth_rates = goodput._depth_bins @ goodput.calibration.rates
+    assert continued.shape == (4, 8)
+    assert continued[0, 4] == pytest.approx(continued[0, 1] * depth_rates[2:5].prod())
+    assert continued[1, 7] == pytest.approx(continued[1, 4] * depth_rates[5:8].prod())
+
+
+def test_depth_rates_keep_acceptance_that_falls_with_depth():
+    """Drafts that get less sure with depth: positions past K' are continued at what deeper drafts have been like
+    (learned when they were drafted), not at the last draft's rate, so K' does not grow where it would not pay."""
+    goodput = Goodput(max_draft=6)
+    falling = np.log(np.tile([0.99, 0.9, 0.6, 0.35, 0.15, 0.07], (4, 1)))
+    for _ in range(20):
+        goodput.survival(falling)
+        goodput.observe(falling, np.full(4, 6), np.full(4, 2))
+    short = falling[:, :2]
+    for _ in range(20):
+        goodput.survival(short)
+        goodput.observe(short, np.full(4, 2), np.full(4, 2))
+    assert goodput.expected_survival[2:].max() < 0.5 * goodput.expected_survival[1]
 
 
 @settings(max_examples=80, deadline=None)
