@@ -136,15 +136,28 @@ def test_positions_past_the_drafts_follow_the_calibration():
     assert best_draft_length(goodput.expected_survival, 4, _cost(draft_step=0.01, per_row=0.001)) == 8
     sure = drafts[:, :5]
     # A request that stopped drafting (pruned) continues at the rate drafts at each further position have had, not
-    # at zero; past the deepest position ever drafted, at the deepest one's.
+    # at zero; past the deepest position ever drafted, at the deepest one's. Brute force, request by request:
     pruned = sure.copy()
     pruned[0, 2:] = -np.inf
-    bins = bin_of(pruned)
-    continued = goodput._continued(bins, goodput._survival(bins))
-    depth_rates = goodput._depth_bins @ goodput.calibration.rates
-    assert continued.shape == (4, 8)
-    assert continued[0, 4] == pytest.approx(continued[0, 1] * depth_rates[2:5].prod())
-    assert continued[1, 7] == pytest.approx(continued[1, 4] * depth_rates[5:8].prod())
+    survival = goodput._survival(bin_of(pruned))
+    depth_rates = (goodput._depth_counts @ goodput.calibration.rates) / goodput._depth_counts.sum(axis=1)
+    rows = []
+    for row in survival:
+        drafted = int((row > 0).sum())
+        continued = list(row[:drafted])
+        for position in range(drafted, 8):
+            continued.append(continued[-1] * depth_rates[position])
+        rows.append(continued)
+    assert goodput._continued_mean(survival) == pytest.approx(np.mean(rows, axis=0))
+
+
+def test_positions_never_drafted_continue_at_the_deepest_ones_rate():
+    goodput = Goodput(max_draft=8)
+    drafts = np.log(np.tile([0.99, 0.9, 0.6], (2, 1)))
+    goodput.survival(drafts)
+    rates = goodput.calibration.estimate(drafts[0])
+    expected = np.cumprod([*rates, *[rates[-1]] * 5])
+    assert goodput.expected_survival == pytest.approx(expected)
 
 
 def test_depth_rates_keep_acceptance_that_falls_with_depth():

@@ -103,8 +103,8 @@ class Goodput:
         self._plain_steps = 0
         self._wait = self.explore_after
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
-        self._depth_bins: np.ndarray | None = None  # (max_draft, 1 + bins): each position's share of drafts per bin
-        self._depth_seen: np.ndarray | None = None  # (max_draft,) bool: positions drafted at least once
+        self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
+        self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
         self._best: tuple | None = None  # (B, cost model, K') of the last choice, until survival changes
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
@@ -118,7 +118,10 @@ class Goodput:
         survival = self._survival(bins)
         self._best = None
         self._learn_depths(bins)
-        mean = self._continued(bins, survival).mean(axis=0)  # (max_draft,)
+        if survival.shape[1] == self.max_draft and survival[:, -1].all():  # every request drafted every position
+            mean = survival.mean(axis=0)
+        else:
+            mean = self._continued_mean(survival)  # (max_draft,)
         if self.expected_survival is None:
             self.expected_survival = mean
         else:
@@ -126,45 +129,44 @@ class Goodput:
         return survival
 
     def _learn_depths(self, bins: np.ndarray) -> None:
-        """Remember, per draft position, how its drafts' q fall into the calibration's bins (an average over steps,
-        of the positions drafted this step): what a draft at that depth is like, rated by the latest calibration."""
+        """Remember, per draft position, how its drafts' q fall into the calibration's bins (counts decayed by
+        `decay` at each step that drafts the position): what a draft at that depth is like, to be rated by the
+        latest calibration."""
         size = len(self.calibration.rates)
-        depth, width = np.nonzero(bins > 0)[1], min(bins.shape[1], self.max_draft)
-        counts = np.bincount(depth * size + bins[bins > 0], minlength=width * size).reshape(width, size)
-        totals = counts.sum(axis=1, keepdims=True)
-        seen = totals[:, 0] > 0
-        share = counts[seen] / totals[seen]
-        if self._depth_bins is None:
-            self._depth_bins = np.zeros((self.max_draft, size))
-            self._depth_seen = np.zeros(self.max_draft, dtype=bool)
-        rows = np.nonzero(seen)[0]
-        old = self._depth_bins[rows]
-        self._depth_bins[rows] = np.where(self._depth_seen[rows, None], old + (1.0 - self.decay) * (share - old),
-                                          share)
-        self._depth_seen[rows] = True
+        width = bins.shape[1]
+        counts = np.bincount((bins + size * np.arange(width)).ravel(), minlength=width * size).reshape(width, size)
+        counts[:, 0] = 0  # bin 0: not drafted
+        if self._depth_counts is None:
+            self._depth_counts = np.zeros((self.max_draft, size))
+        head = self._depth_counts[:width]  # a view: updated in place
+        head[counts.any(axis=1)] *= self.decay
+        head += counts
 
-    def _continued(self, bins: np.ndarray, survival: np.ndarray) -> np.ndarray:
-        """(B, max_draft) survival of each request's drafts, continued past its last draft (past K', or where it
-        stopped drafting) at the rate a draft at each further position has had (`_learn_depths`, rated by the
-        latest calibration; a position never drafted, at the deepest one's). Positions left at what an early step
-        estimated (from the prior, before any outcome) kept K' at whatever it first chose: measured on the Qwen pair
-        at batch 4, the first step put positions 6-8 at 0.56-0.49, so K' stayed 5 while every position was accepted
-        ~0.99 of the time; continuing each request at its own last draft's rate instead over-drafted where
-        acceptance falls with depth (the SmolLM2 pair at batch 16: 3,234 drafts to 2,563, 0.95x dsd)."""
-        padded = np.zeros((len(bins), self.max_draft))
-        padded[:, :survival.shape[1]] = survival[:, :self.max_draft]
-        if self._depth_seen is None or not self._depth_seen.any():
-            return padded
-        rates = np.maximum(self._depth_bins @ self.calibration.rates, 1e-12)  # (max_draft,)
-        deepest = int(np.nonzero(self._depth_seen)[0].max())
-        rates[deepest + 1:] = rates[deepest]
-        drafted = (bins > 0).sum(axis=1)  # (B,) drafts are a prefix of each row
-        last = survival[np.arange(len(bins)), np.maximum(drafted - 1, 0)] * (drafted > 0)  # (B,)
-        positions = np.arange(self.max_draft)
-        beyond = positions[None, :] >= drafted[:, None]  # (B, max_draft)
-        cum = np.concatenate([[0.0], np.cumsum(np.log(rates))])  # cum[j]: log of the product of rates before j
-        continued = last[:, None] * np.exp(cum[None, 1:] - cum[drafted][:, None])  # rates after each row's last
-        return np.where(beyond, continued, padded)
+    def _continued_mean(self, survival: np.ndarray) -> np.ndarray:
+        """(max_draft,) mean over requests of each one's survival (B, K') continued past its last draft (past K', or
+        where it stopped drafting) at the rate drafts at each further position have had (`_learn_depths`, rated by
+        the latest calibration; a position never drafted, at the deepest one's). Positions left at what an early
+        step estimated (from the prior, before any outcome) kept K' at whatever it first chose: measured on the
+        Qwen pair at batch 4, the first step put positions 6-8 at 0.56-0.49, so K' stayed 5 while every position
+        was accepted ~0.99 of the time; continuing each request at its own last draft's rate instead over-drafted
+        where acceptance falls with depth (the SmolLM2 pair at batch 16: 3,234 drafts to 2,563, 0.95x dsd).
+
+        Grouped by drafted length d (survival is 0 past a request's drafts): sum of the drafted parts, plus for each
+        d the requests' last survivals times the depth rates' products from position d on."""
+        batch, width = survival.shape
+        totals = self._depth_counts.sum(axis=1)
+        seen = np.flatnonzero(totals)
+        rates = self._depth_counts @ self.calibration.rates
+        rates[seen] /= totals[seen]
+        rates[seen[-1] + 1:] = rates[seen[-1]]  # never drafted: as the deepest position drafted
+        cum = np.zeros(self.max_draft + 1)
+        np.cumsum(np.log(np.maximum(rates, 1e-12)), out=cum[1:])  # cum[j]: log of the product of rates before j
+        drafted = np.count_nonzero(survival, axis=1)  # (B,) > 0 exactly where drafted (every rate is > 0)
+        last = np.bincount(drafted, weights=survival[np.arange(batch), drafted - 1], minlength=self.max_draft + 1)
+        growth = np.exp(cum[None, 1:] - cum[:, None]) * self._after  # (d, j): rates at positions d..j
+        mean = last @ growth
+        mean[:width] += survival.sum(axis=0)
+        return mean / batch
 
     def estimate(self, logprobs: np.ndarray) -> np.ndarray:
         """`survival` without remembering anything: for the drafts so far, while drafting."""
