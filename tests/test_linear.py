@@ -157,9 +157,9 @@ def test_quantizing_in_row_chunks_gives_the_same_weights(monkeypatch, precision)
     from batchspec.runtime.linear import Int4Weight, Int8Weight
 
     kind = {"int8": Int8Weight, "int4": Int4Weight}[precision]
-    weight = 0.05 * torch.randn(112, 64, generator=torch.Generator().manual_seed(0))
+    weight = 0.05 * torch.randn(176, 64, generator=torch.Generator().manual_seed(0))
     whole = kind.quantize(weight)
-    monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 32)  # 4 chunks, the last one short (int4: rows by 16s)
+    monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 64)  # 3 chunks, the last one short (int4: blocks of 64 rows)
     chunked = kind.quantize(weight)
     assert chunked.shape == whole.shape
     assert torch.equal(chunked.dequantize(), whole.dequantize())
