@@ -160,6 +160,13 @@ def test_positions_never_drafted_continue_at_the_deepest_ones_rate():
     assert goodput.expected_survival == pytest.approx(expected)
 
 
+def test_a_step_without_any_draft_continues_nothing():
+    goodput = Goodput(max_draft=4)
+    survival = goodput.survival(np.full((2, 2), -np.inf))  # every log q -inf: nothing drafted
+    assert not survival.any()
+    assert not goodput.expected_survival.any()
+
+
 def test_depth_rates_keep_acceptance_that_falls_with_depth():
     """Drafts that get less sure with depth: positions past K' are continued at what deeper drafts have been like
     (learned when they were drafted), not at the last draft's rate, so K' does not grow where it would not pay."""

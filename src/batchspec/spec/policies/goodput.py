@@ -156,6 +156,9 @@ class Goodput:
         batch, width = survival.shape
         totals = self._depth_counts.sum(axis=1)
         seen = np.flatnonzero(totals)
+        mean = np.zeros(self.max_draft)
+        if not seen.size:  # no position drafted yet (every log q -inf): nothing to continue
+            return mean
         rates = self._depth_counts @ self.calibration.rates
         rates[seen] /= totals[seen]
         rates[seen[-1] + 1:] = rates[seen[-1]]  # never drafted: as the deepest position drafted
@@ -164,7 +167,7 @@ class Goodput:
         drafted = np.count_nonzero(survival, axis=1)  # (B,) > 0 exactly where drafted (every rate is > 0)
         last = np.bincount(drafted, weights=survival[np.arange(batch), drafted - 1], minlength=self.max_draft + 1)
         growth = np.exp(cum[None, 1:] - cum[:, None]) * self._after  # (d, j): rates at positions d..j
-        mean = last @ growth
+        mean += last @ growth
         mean[:width] += survival.sum(axis=0)
         return mean / batch
 
