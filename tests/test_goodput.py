@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import make_policy
-from batchspec.spec.policies.goodput import (Goodput, best_draft_length, goodput_capacity, goodput_windows,
-                                             smallest_step)
+from batchspec.spec.policies.goodput import (Goodput, capacity_rates, drafting_time, goodput_capacity,
+                                             goodput_draft_lengths, goodput_windows, pass_times, smallest_step)
 from batchspec.spec.policies.tetris import _top_capacity_windows
 from batchspec.spec.proposal import replay_drafting, undrafted
 from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
@@ -101,21 +101,79 @@ def _cost(draft_step: float, per_row: float) -> StepCost:
                     RowTimeTable((1, 200), (draft_step, draft_step)))
 
 
-def test_draft_length_drafts_when_it_pays_and_not_otherwise():
+def _costs(cost: StepCost, batch: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """`goodput_draft_lengths`' costs: a draft pass by rows, the target over B + C rows."""
+    return pass_times(cost, batch), np.asarray(cost.target_s(batch + np.arange(batch * width + 1)), dtype=float)
+
+
+def _lengths(survival: np.ndarray, batch: int, cost: StepCost) -> list[int]:
+    return goodput_draft_lengths(np.tile(survival, (batch, 1)), *_costs(cost, batch, len(survival))).tolist()
+
+
+def test_draft_lengths_draft_when_it_pays_and_not_otherwise():
     survival = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
-    assert best_draft_length(survival, 4, _cost(draft_step=0.01, per_row=0.001)) == 6  # cheap: draft the cap
-    assert best_draft_length(survival, 4, _cost(draft_step=5.0, per_row=0.001)) == 0  # drafting costs too much
-    assert best_draft_length(survival, 4, _cost(draft_step=0.01, per_row=1.0)) == 0  # verified rows cost too much
-    assert best_draft_length(survival, 4, _cost(draft_step=0.3, per_row=0.05)) == 3  # in between
+    assert _lengths(survival, 4, _cost(draft_step=0.01, per_row=0.001)) == [6] * 4  # cheap: draft the cap
+    assert _lengths(survival, 4, _cost(draft_step=5.0, per_row=0.001)) == [0] * 4  # drafting costs too much
+    assert _lengths(survival, 4, _cost(draft_step=0.01, per_row=1.0)) == [0] * 4  # verified rows cost too much
+    assert _lengths(survival, 4, _cost(draft_step=0.3, per_row=0.05)) == [3] * 4  # in between
+
+
+def _plan_rate(expected: np.ndarray, lengths: np.ndarray, passes: np.ndarray, target: np.ndarray) -> float:
+    """Predicted tokens per second of drafting `lengths` and verifying every draft; for one K' for all, the best of
+    that and of verifying only the goodput-best C of them (`goodput_draft_lengths`' two families)."""
+    batch = len(lengths)
+    gained = sum(expected[i, :n].sum() for i, n in enumerate(lengths))
+    rate = (batch + gained) / (drafting_time(lengths, passes) + target[int(lengths.sum())])
+    if lengths.min() == lengths.max() and lengths[0] > 0:
+        k_prime = int(lengths[0])
+        rate = max(rate, float(capacity_rates(expected[:, :k_prime], k_prime * passes[batch] + target).max()))
+    return rate
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 10_000), st.floats(0.0, 0.3), st.floats(0.0, 0.2),
+       st.floats(0.0, 0.2), st.integers(1, 4))
+def test_draft_lengths_are_the_best_plan(batch, width, seed, per_draft, pass_fixed, per_row, step_rows):
+    """Request by request, never predicted worse than any one K' for all; with a draft pass costing the same per
+    row (no fixed part), the best of every assignment of lengths (brute force), whatever the target's staircase."""
+    rng = np.random.default_rng(seed)
+    expected = np.cumprod(rng.uniform(0.0, 1.0, (batch, width)) ** rng.uniform(0.2, 3.0, (batch, 1)), axis=1)
+    passes = np.array([0.0, *(pass_fixed + per_draft * rows for rows in range(1, batch + 1))])
+    target = 1.0 + per_row * ((batch + np.arange(batch * width + 1) + step_rows - 1) // step_rows)
+    lengths = goodput_draft_lengths(expected, passes, target)
+    chosen = _plan_rate(expected, lengths, passes, target) if lengths.any() else batch / target[0]
+    for k_prime in range(1, width + 1):
+        assert chosen >= _plan_rate(expected, np.full(batch, k_prime), passes, target) - 1e-12
+    if pass_fixed == 0.0:
+        for plan in itertools.product(range(width + 1), repeat=batch):
+            plan = np.array(plan)
+            assert chosen >= (_plan_rate(expected, plan, passes, target) if plan.any() else batch / target[0]) - 1e-12
+
+
+def test_easy_requests_draft_long_and_hard_ones_short():
+    """Each request's own survival sets its length: one whose drafts are accepted drafts longer than one whose
+    drafts are rejected, whatever row it is in; a new request starts at the batch's estimate."""
+    goodput = Goodput(max_draft=6)
+    cost = _cost(draft_step=0.02, per_row=0.01)
+    easy, hard = np.log(np.full(6, 0.97)), np.log([0.6, 0.4, 0.3, 0.2, 0.1, 0.1])
+    for _ in range(10):
+        drafts = np.stack([easy, hard])
+        goodput.survival(drafts, requests=(7, 3))
+        goodput.observe(drafts, np.full(2, 6), np.array([6, 0]))
+    lengths = goodput.draft_lengths((7, 3), *_costs(cost, 2, 6))
+    assert lengths[0] > lengths[1]
+    assert goodput.draft_lengths((3, 7), *_costs(cost, 2, 6)).tolist() == lengths[::-1].tolist()
+    assert goodput._own_rows((3, 9))[1] == pytest.approx(goodput.expected_survival)
 
 
 def test_goodput_drafts_the_cap_first_then_explores_ever_more_rarely():
     goodput = Goodput(max_draft=5)
-    expensive = _cost(draft_step=10.0, per_row=0.001)
-    assert goodput.draft_length(4, expensive) == 5  # nothing seen yet
-    goodput.survival(np.log(np.full((4, 5), 0.5)))
+    costs = _costs(_cost(draft_step=10.0, per_row=0.001), 4, 5)
+    requests = (0, 1, 2, 3)
+    assert goodput.draft_lengths(requests, *costs).tolist() == [5] * 4  # nothing seen yet
+    goodput.survival(np.log(np.full((4, 5), 0.5)), requests)
     wait = Goodput.explore_after
-    lengths = [goodput.draft_length(4, expensive) for _ in range(3 * wait + 1)]
+    lengths = [int(goodput.draft_lengths(requests, *costs).max()) for _ in range(3 * wait + 1)]
     # One draft after `wait` plain steps, then after twice as many while drafting keeps not paying.
     assert lengths == [0] * (wait - 1) + [1] + [0] * (2 * wait - 1) + [1] + [0]
 
@@ -133,7 +191,7 @@ def test_positions_past_the_drafts_follow_the_calibration():
         goodput.survival(drafts[:, :5])
         goodput.observe(drafts[:, :5], np.full(4, 5), np.full(4, 5))
     assert goodput.expected_survival[5:].min() > 0.9
-    assert best_draft_length(goodput.expected_survival, 4, _cost(draft_step=0.01, per_row=0.001)) == 8
+    assert _lengths(goodput.expected_survival, 4, _cost(draft_step=0.01, per_row=0.001)) == [8] * 4
     sure = drafts[:, :5]
     # A request that stopped drafting (pruned) continues at the rate drafts at each further position have had, not
     # at zero; past the deepest position ever drafted, at the deepest one's. Brute force, request by request:
@@ -148,7 +206,7 @@ def test_positions_past_the_drafts_follow_the_calibration():
         for position in range(drafted, 8):
             continued.append(continued[-1] * depth_rates[position])
         rows.append(continued)
-    assert goodput._continued_mean(survival) == pytest.approx(np.mean(rows, axis=0))
+    assert goodput._continued(survival) == pytest.approx(np.array(rows))
 
 
 def test_positions_never_drafted_continue_at_the_deepest_ones_rate():
@@ -164,7 +222,8 @@ def test_a_step_without_any_draft_continues_nothing():
     goodput = Goodput(max_draft=4)
     survival = goodput.survival(np.full((2, 2), -np.inf))  # every log q -inf: nothing drafted
     assert not survival.any()
-    assert not goodput.expected_survival.any()
+    assert goodput.expected_survival is None  # nothing learned of any position
+    assert goodput._continued(survival).shape == (2, 4) and not goodput._continued(survival).any()
 
 
 def test_depth_rates_keep_acceptance_that_falls_with_depth():

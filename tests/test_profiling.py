@@ -39,3 +39,24 @@ def test_machine_description_names_the_cpu_and_threads():
     description = profiling.machine_description()
     assert f"({torch.backends.cpu.get_cpu_capability()})" in description
     assert description.endswith(f"{torch.get_num_threads()} threads") and not description.startswith(" (")
+
+
+def test_a_row_time_slowed_by_a_busy_machine_is_timed_again(monkeypatch):
+    """The profile's points are non-decreasing in the rows; one timed far above a point with more rows (another
+    process held the cores) is timed again, and what stays non-monotone is cut to the later points' minimum."""
+    calls: dict[int, int] = {}
+
+    def timed(model, batch, tokens_each, repeats=2):
+        rows = batch * tokens_each
+        calls[rows] = calls.get(rows, 0) + 1
+        if rows == 2 and calls[rows] == 1:
+            return 5.0  # busy the first time only
+        if rows == 3:
+            return 1.5  # always above the 4-row point: noise that timing again does not remove
+        return 1.0 + 0.01 * rows
+
+    monkeypatch.setattr(profiling, "_time_forward", timed)
+    table = profiling.profile_row_times(None, max_batch=4, max_rows=4)
+    assert table.rows == (1, 2, 3, 4)
+    assert table.seconds == (1.01, 1.02, 1.04, 1.04)
+    assert calls == {1: 1, 2: 2, 3: 1 + profiling.RETIMES, 4: 1}

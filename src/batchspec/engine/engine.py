@@ -270,7 +270,8 @@ class Engine:
 
     def _speculate(self, active: list[Request]) -> None:
         """One speculative step: 1 + accepted tokens per request, both caches rolled back to what was committed."""
-        plan = self.policy.plan(len(active), self.step_time).clamped(self.runner.room(active), len(active))
+        plan = self.policy.plan(len(active), self.step_time, [r.index for r in active])
+        plan = plan.clamped(self.runner.room(active), len(active))
         if plan.k_prime == 0:
             self._decode(active)
             self.runner.resync_draft(active)

@@ -124,7 +124,7 @@ def _step(timelines: Timelines, cost, config: SimConfig, policy: Policy, active:
     positions = np.array([pos[i] for i in active])  # (B,)
     context = int((timelines.prompt_len[requests] + positions).sum())
     # dsd's goodput under the simulated hardware's step time, as if profiled there.
-    plan = policy.plan(batch, _SimStepCost(cost, config.pipeline, policy, batch, context))
+    plan = policy.plan(batch, _SimStepCost(cost, config.pipeline, policy, batch, context), active)
     k_prime = plan.k_prime
     rows = timelines.offset[requests] + positions  # (B,)
     logprobs = torch.from_numpy(timelines.logprobs[rows, :k_prime])  # (B, K')

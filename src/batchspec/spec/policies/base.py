@@ -1,8 +1,10 @@
 """What a decoding policy answers for itself: how much to draft, which drafts the target verifies, what it learns.
 
 A step of the engine (and of the simulator) asks its policy, in order:
-1. `plan(batch_size, step_time)` -> `Plan`: sd's window k, how many tokens K' the draft proposes per request
-   (0: a plain decoding step, the draft does not run) and the verification capacity C;
+1. `plan(batch_size, step_time, requests)` -> `Plan`: sd's window k, how many tokens K' the draft proposes per
+   request (0: a plain decoding step, the draft does not run; goodput Tetris: at most K', each its own length) and
+   the verification capacity C; `requests` names the request in each row (an id that stays with it from step to
+   step), for policies that learn per request;
 2. `draft_scorer()`: a SPRINTER verifier to score every draft while drafting (and to stop a request's drafting), or
    None; `drafting_rule(plan, batch_size)`: which requests draft on after each draft pass (Tetris stops a request
    once none of its later drafts could be verified), or None;
@@ -19,10 +21,11 @@ A new policy is one module defining a `Policy` subclass plus one line in `polici
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -45,11 +48,18 @@ class Plan:
     k_prime: int  # K': tokens the draft proposes per request; 0 = a plain decoding step
     capacity: int  # C: most drafts the target verifies (a policy choosing its own C: the reference k * B)
     step_time: StepTime | None = field(default=None, compare=False)  # this step's cost model, when the policy uses one
+    lengths: np.ndarray | None = field(default=None, compare=False)  # (B,) drafts per request, each <= K' (None: K')
+    requests: tuple | None = field(default=None, compare=False)  # an id per row, when the policy asked for them
+
+    def drafts(self, batch_size: int) -> np.ndarray:
+        """(B,) int64 drafts each request is planned: its own length, or K' for every one."""
+        return np.full(batch_size, self.k_prime, dtype=np.int64) if self.lengths is None else self.lengths
 
     def clamped(self, room: int, batch_size: int) -> Plan:
         """The plan with K' cut to `room` (never write past a cache; only near its end can this bind)."""
         k_prime = max(0, min(self.k_prime, room))
-        return Plan(self.k, k_prime, min(self.capacity, batch_size * k_prime), self.step_time)
+        lengths = None if self.lengths is None else np.minimum(self.lengths, k_prime)
+        return Plan(self.k, k_prime, min(self.capacity, batch_size * k_prime), self.step_time, lengths, self.requests)
 
 
 class Policy:
@@ -84,7 +94,7 @@ class Policy:
         """K' for this step, given sd's window k."""
         return k
 
-    def plan(self, batch_size: int, step_time: StepTime | None = None) -> Plan:
+    def plan(self, batch_size: int, step_time: StepTime | None = None, requests: Sequence | None = None) -> Plan:
         k = self.spec.k
         k_prime = self.draft_length(k, batch_size)
         return Plan(k, k_prime, min(self.spec.capacity_for(batch_size), batch_size * k_prime))

@@ -1,9 +1,10 @@
 """Goodput Tetris's choices, as pure functions over estimated survival and a step-cost model.
 
-Per step: the draft length K' (0 = a plain decoding step, the draft does not run) before drafting, from the survival
-each position has had lately; after drafting, the capacity C from every draft's own estimate. Both maximise expected
-emitted tokens per second of the whole step, B + (sum of the verified drafts' survivals) over
-T_draft(B, K') + T_target(B + C rows), with T from this machine's profile (`spec.step_time.StepCost`). Survival of
+Per step: each request's draft length (0 = none; all 0: a plain decoding step, the draft does not run) before
+drafting, from the survival its positions have had lately; after drafting, the capacity C from every draft's own
+estimate. Both maximise expected emitted tokens per second of the whole step, B + (sum of the verified drafts'
+survivals) over T_draft + T_target(B + C rows): the draft passes, each over the requests still drafting, and one
+target pass, with both models' times by rows from this machine's profile (`spec.step_time.StepCost`). Survival of
 draft j of request i = prod_{t<=j} P(accept | q[i, t]), the calibrated acceptance of earlier steps' outcomes
 (`spec.calibration`): draft-side information only, so verification stays lossless whatever is chosen.
 """
@@ -15,18 +16,12 @@ import numpy as np
 from batchspec.spec.calibration import AcceptanceCalibration, bin_of
 
 
-def step_times(step_time, batch_size: int, k_prime: int) -> np.ndarray:
-    """(B*K' + 1,) seconds of the whole step verifying C = 0, 1, ..., B*K' drafts: K' draft passes over B rows and one
-    target pass over B + C rows. Computed once per (B, K'); every choice below reads it."""
-    drafting = step_time.draft_s(batch_size, k_prime) if k_prime else 0.0
-    return drafting + np.asarray(step_time.target_s(batch_size + np.arange(batch_size * k_prime + 1)), dtype=float)
-
-
 def capacity_rates(survival: np.ndarray, times: np.ndarray) -> np.ndarray:
     """(B*K' + 1,) expected tokens per second when the target verifies the top-C drafts, C = 0, 1, ..., B*K'.
 
     survival (B, K'), non-increasing along K' (so the top-C set is prefix-closed per request); every request emits
-    one token more than its accepted drafts, hence B. times: `step_times` (at least B*K' + 1 of them).
+    one token more than its accepted drafts, hence B. times: the step's seconds verifying C = 0, 1, ... drafts (the
+    draft passes plus the target over B + C rows; at least B*K' + 1 of them).
     """
     ranked = np.sort(survival, axis=None)[::-1]  # (B*K',)
     expected = survival.shape[0] + np.concatenate([[0.0], np.cumsum(ranked)])
@@ -63,7 +58,7 @@ def smallest_step(times: np.ndarray) -> float:
 def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.ndarray, step: float) -> np.ndarray:
     """Which of the requests still drafting may yet have a draft that `goodput_windows` verifies. (B,) bool.
 
-    survival (B, j): every draft so far, 0 past the end of a request that stopped; times: the step's `step_times`;
+    survival (B, j): every draft so far, 0 past the end of a request that stopped; times: the step's seconds by C;
     step: their `smallest_step`. The last draft the goodput-best C* verifies adds at least the step's rate times the
     time it adds (else C* - 1 would be better): its survival is >= R* (T(C*) - T(C* - 1)) >= R_known * step, where
     R_known, the best rate of the drafts so far alone, is <= R* (more drafts only raise the sorted survivals). Request
@@ -76,21 +71,53 @@ def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.
     return drafting & (survival[:, -1] >= bound)
 
 
-def best_draft_length(expected_survival: np.ndarray, batch_size: int, step_time) -> int:
-    """K' in 0..len(expected_survival) with the most expected tokens per second, every request predicted to survive
-    position j with expected_survival[j] (then C is chosen as `goodput_capacity` would)."""
-    best_k = 0
-    best_rate = batch_size / float(step_times(step_time, batch_size, 0)[0])
-    for k_prime in range(1, len(expected_survival) + 1):
-        rows = np.tile(expected_survival[:k_prime], (batch_size, 1))  # (B, K')
-        rate = float(capacity_rates(rows, step_times(step_time, batch_size, k_prime)).max())
+def pass_times(step_time, batch_size: int) -> np.ndarray:
+    """(B + 1,) seconds of one draft pass over 0, 1, ..., B requests (none: no pass)."""
+    return np.array([0.0, *(float(step_time.draft_s(rows, 1)) for rows in range(1, batch_size + 1))])
+
+
+def drafting_time(lengths: np.ndarray, passes: np.ndarray) -> float:
+    """Seconds of the draft passes that give request i lengths[i] drafts: pass j runs over the requests with more
+    than j. passes: `pass_times`."""
+    per_pass = len(lengths) - np.cumsum(np.bincount(lengths, minlength=int(lengths.max(initial=0)) + 1))[:-1]
+    return float(passes[per_pass].sum())
+
+
+def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Draft lengths (B,) before drafting, for the most expected tokens per second of the step. int64, 0 = none.
+
+    expected (B, K): each request's predicted survival of positions 1..K, non-increasing along K; passes: one draft
+    pass's seconds by rows (`pass_times`); target (B*K + 1,): the target's seconds over B + C rows, C = 0..B*K.
+    Two families of plans, the better predicted rate wins (all zeros, a plain decoding step, when neither beats it):
+    - per request: the top C predicted positions over the batch (prefix-closed per request, as in `goodput_windows`),
+      each request drafting exactly its own and the target verifying them all; pass j then runs over only the
+      requests with more than j drafts, so an easy request drafts long and a hard one short or not at all;
+    - one K' for every request, the target verifying the goodput-best C of the B*K' drafts (DSD's shape, Tetris's
+      choice): more drafts than verified, so that the drafts themselves can decide.
+    """
+    batch, width = expected.shape
+    flat = expected.reshape(-1)
+    order = np.argsort(-flat, kind="stable")  # (B*K,) row positions in order: every prefix is prefix-closed
+    columns = order % width
+    # Rows of pass j once this entry is drafted: 1 + how many earlier entries are at the same position.
+    rows = np.cumsum(columns[:, None] == np.arange(width), axis=0)[np.arange(len(order)), columns]
+    drafting = np.cumsum(passes[rows] - passes[rows - 1])
+    rates = (batch + np.cumsum(flat[order])) / (drafting + target[1:len(order) + 1])
+    best = int(np.argmax(rates))
+    lengths = np.zeros(batch, dtype=np.int64)
+    best_rate = batch / float(target[0])
+    if rates[best] > best_rate:
+        lengths, best_rate = np.bincount(order[:best + 1] // width, minlength=batch), float(rates[best])
+    for k_prime in range(1, width + 1):
+        rate = float(capacity_rates(expected[:, :k_prime], k_prime * passes[batch] + target).max())
         if rate > best_rate:
-            best_k, best_rate = k_prime, rate
-    return best_k
+            lengths, best_rate = np.full(batch, k_prime, dtype=np.int64), rate
+    return lengths
 
 
 class Goodput:
-    """What goodput Tetris learns across steps: calibrated acceptance, and the mean survival of each position."""
+    """What goodput Tetris learns across steps: calibrated acceptance, and the survival each position has had lately,
+    over the batch and for each request on its own."""
 
     explore_after = 8  # plain decoding steps before one draft is tried again (acceptance may have risen);
     explore_most = 64  # the wait doubles up to this while drafting keeps not paying
@@ -100,33 +127,58 @@ class Goodput:
         self.decay = decay
         self.calibration = AcceptanceCalibration()
         self.expected_survival: np.ndarray | None = None  # (max_draft,) recent mean survival per position
+        self._requests: tuple = ()  # the requests of the last step, in row order
+        self._own: np.ndarray = np.zeros((0, max_draft))  # (B, max_draft) each one's recent survival per position
         self._plain_steps = 0
         self._wait = self.explore_after
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
         self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
         self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
-        self._best: tuple | None = None  # (B, cost model, K') of the last choice, until survival changes
+        self._best: tuple | None = None  # (requests, costs, lengths) of the last choice, until survival changes
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
         # Bin 0 (-inf: not drafted, the request stopped early) has rate 0: survives nothing.
         return np.cumprod(self.calibration.rates[bins], axis=1)
 
-    def survival(self, logprobs: np.ndarray) -> np.ndarray:
-        """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position for `draft_length`."""
+    def survival(self, logprobs: np.ndarray, requests=None) -> np.ndarray:
+        """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position, over the batch and
+        per request (`requests`: an id per row, as for `draft_lengths`), for the next step's draft lengths."""
         self._last = (logprobs, bin_of(logprobs))  # for `observe`, which sees the same drafts
         bins = self._last[1]
         survival = self._survival(bins)
         self._best = None
         self._learn_depths(bins)
         if survival.shape[1] == self.max_draft and survival[:, -1].all():  # every request drafted every position
-            mean = survival.mean(axis=0)
+            continued, drafted, every = survival, None, True
         else:
-            mean = self._continued_mean(survival)  # (max_draft,)
-        if self.expected_survival is None:
-            self.expected_survival = mean
-        else:
-            self.expected_survival += (1.0 - self.decay) * (mean - self.expected_survival)
+            continued = self._continued(survival)  # (B, max_draft)
+            drafted = survival[:, 0] > 0
+            every = bool(drafted.all())
+        if every or drafted.any():
+            mean = np.add.reduce(continued) / len(continued) if every else continued[drafted].mean(axis=0)
+            if self.expected_survival is None:
+                self.expected_survival = mean
+            else:
+                self.expected_survival += (1.0 - self.decay) * (mean - self.expected_survival)
+        if requests is not None and self.expected_survival is not None:
+            # A request's own estimate: what its drafts survived, or, in a step it did not draft, the batch's (so a
+            # request that stopped drafting is tried again once others show drafting pays).
+            own = self._own_rows(tuple(requests))
+            seen = continued if every else np.where(drafted[:, None], continued, self.expected_survival)
+            own += (1.0 - self.decay) * (seen - own)
         return survival
+
+    def _own_rows(self, requests: tuple) -> np.ndarray:
+        """(B, max_draft) the requests' own estimates in row order; a request not seen before starts at the batch's,
+        and one that left the batch is forgotten."""
+        if requests != self._requests:
+            index = {request: row for row, request in enumerate(self._requests)}
+            own = np.tile(self.expected_survival, (len(requests), 1))
+            for row, request in enumerate(requests):
+                if request in index:
+                    own[row] = self._own[index[request]]
+            self._requests, self._own = requests, own
+        return self._own
 
     def _learn_depths(self, bins: np.ndarray) -> None:
         """Remember, per draft position, how its drafts' q fall into the calibration's bins (counts decayed by
@@ -142,34 +194,32 @@ class Goodput:
         head[counts.any(axis=1)] *= self.decay
         head += counts
 
-    def _continued_mean(self, survival: np.ndarray) -> np.ndarray:
-        """(max_draft,) mean over requests of each one's survival (B, K') continued past its last draft (past K', or
-        where it stopped drafting) at the rate drafts at each further position have had (`_learn_depths`, rated by
-        the latest calibration; a position never drafted, at the deepest one's). Positions left at what an early
-        step estimated (from the prior, before any outcome) kept K' at whatever it first chose: measured on the
-        Qwen pair at batch 4, the first step put positions 6-8 at 0.56-0.49, so K' stayed 5 while every position
-        was accepted ~0.99 of the time; continuing each request at its own last draft's rate instead over-drafted
-        where acceptance falls with depth (the SmolLM2 pair at batch 16: 3,234 drafts to 2,563, 0.95x dsd).
-
-        Grouped by drafted length d (survival is 0 past a request's drafts): sum of the drafted parts, plus for each
-        d the requests' last survivals times the depth rates' products from position d on."""
+    def _continued(self, survival: np.ndarray) -> np.ndarray:
+        """(B, max_draft) each request's survival (B, K') continued past its last draft (past K', or where it stopped
+        drafting) at the rate drafts at each further position have had (`_learn_depths`, rated by the latest
+        calibration; a position never drafted, at the deepest one's); 0 for a request that drafted nothing.
+        Positions left at what an early step estimated (from the prior, before any outcome) kept K' at whatever it
+        first chose: measured on the Qwen pair at batch 4, the first step put positions 6-8 at 0.56-0.49, so K'
+        stayed 5 while every position was accepted ~0.99 of the time; continuing each request at its own last
+        draft's rate instead over-drafted where acceptance falls with depth (the SmolLM2 pair at batch 16: 3,234
+        drafts to 2,563, 0.95x dsd)."""
         batch, width = survival.shape
+        continued = np.zeros((batch, self.max_draft))
+        continued[:, :width] = survival
         totals = self._depth_counts.sum(axis=1)
         seen = np.flatnonzero(totals)
-        mean = np.zeros(self.max_draft)
         if not seen.size:  # no position drafted yet (every log q -inf): nothing to continue
-            return mean
+            return continued
         rates = self._depth_counts @ self.calibration.rates
         rates[seen] /= totals[seen]
         rates[seen[-1] + 1:] = rates[seen[-1]]  # never drafted: as the deepest position drafted
         cum = np.zeros(self.max_draft + 1)
         np.cumsum(np.log(np.maximum(rates, 1e-12)), out=cum[1:])  # cum[j]: log of the product of rates before j
         drafted = np.count_nonzero(survival, axis=1)  # (B,) > 0 exactly where drafted (every rate is > 0)
-        last = np.bincount(drafted, weights=survival[np.arange(batch), drafted - 1], minlength=self.max_draft + 1)
+        last = survival[np.arange(batch), np.maximum(drafted - 1, 0)] * (drafted > 0)  # (B,)
         growth = np.exp(cum[None, 1:] - cum[:, None]) * self._after  # (d, j): rates at positions d..j
-        mean += last @ growth
-        mean[:width] += survival.sum(axis=0)
-        return mean / batch
+        continued += last[:, None] * growth[drafted]
+        return continued
 
     def estimate(self, logprobs: np.ndarray) -> np.ndarray:
         """`survival` without remembering anything: for the drafts so far, while drafting."""
@@ -181,23 +231,25 @@ class Goodput:
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
         same = self._last is not None and np.array_equal(self._last[0], logprobs)  # the drafts `survival` saw
-        self.calibration.update(self._last[1] if same else bin_of(logprobs), windows, accepted)
+        bins = self._last[1] if same else bin_of(logprobs)
+        self.calibration.update(bins, windows, accepted)
 
-    def draft_length(self, batch_size: int, step_time) -> int:
-        """K' for the next step: the whole cap until a step has been seen, then the best predicted one; after a run
-        of plain decoding steps, one draft per request, to see whether drafting pays again."""
+    def draft_lengths(self, requests: tuple, passes: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """Draft lengths (B,) for the next step (`goodput_draft_lengths` on each request's own estimate): the whole
+        cap until a step has been seen; after a run of plain decoding steps, one draft per request, to see whether
+        drafting pays again. passes, target: the step's costs, as `goodput_draft_lengths` takes them."""
         if self.expected_survival is None:
-            return self.max_draft
-        if self._best is not None and self._best[0] == batch_size and self._best[1] is step_time:
-            k_prime = self._best[2]  # nothing learned since (plain decoding steps): the same choice
+            return np.full(len(requests), self.max_draft, dtype=np.int64)
+        if self._best is not None and self._best[0] == requests and self._best[1] is target:
+            lengths = self._best[2]  # nothing learned since (plain decoding steps): the same choice
         else:
-            k_prime = best_draft_length(self.expected_survival, batch_size, step_time)
-            self._best = batch_size, step_time, k_prime
-        if k_prime:
+            lengths = goodput_draft_lengths(self._own_rows(requests), passes, target)
+            self._best = requests, target, lengths
+        if lengths.any():
             self._plain_steps, self._wait = 0, self.explore_after
-            return k_prime
+            return lengths
         self._plain_steps += 1
         if self._plain_steps < self._wait:
-            return 0
+            return lengths
         self._plain_steps, self._wait = 0, min(2 * self._wait, self.explore_most)
-        return 1
+        return np.ones(len(requests), dtype=np.int64)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from batchspec.errors import BatchspecError
 from batchspec.spec.policies.base import Plan, Policy, sd_windows
-from batchspec.spec.policies.goodput import Goodput, goodput_windows, smallest_step, step_times
+from batchspec.spec.policies.goodput import Goodput, drafting_time, goodput_windows, pass_times, smallest_step
 from batchspec.spec.proposal import KeepDrafting
 from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
 
@@ -142,7 +142,8 @@ class TetrisPolicy(Policy):
         # rank by.
         self.calibrated = self.auto or spec.tetris_scores == "calibrated"
         self.goodput = Goodput(self.max_draft_length()) if self.calibrated else None
-        self._times = None  # (cost model, {(B, K'): (step times, smallest step)}) of the steps seen
+        self._costs = None  # (cost model, {B: (draft pass times by rows, target times by C)}) of the steps seen
+        self._planned = None  # (plan, its `_step_times`) of the current step
 
     @classmethod
     def validate(cls, spec, batch_size: int) -> None:
@@ -159,13 +160,15 @@ class TetrisPolicy(Policy):
         """With `capacity="auto"` K' is chosen per step, up to dsd's cap k_max (or k + extra when larger)."""
         return max(self.spec.k + self.spec.extra, self.spec.k_max) if self.auto else super().max_draft_length()
 
-    def plan(self, batch_size: int, step_time=None) -> Plan:
+    def plan(self, batch_size: int, step_time=None, requests=None) -> Plan:
         if not self.auto:
             return super().plan(batch_size)
         if step_time is None:
             raise BatchspecError("tetris with --capacity auto needs a step-time model to choose its capacity")
-        plan = super().plan(batch_size)
-        return replace(plan, k_prime=self.goodput.draft_length(batch_size, step_time), step_time=step_time)
+        requests = tuple(range(batch_size) if requests is None else requests)
+        lengths = self.goodput.draft_lengths(requests, *self._step_costs(step_time, batch_size))
+        return replace(super().plan(batch_size), k_prime=int(lengths.max(initial=0)), step_time=step_time,
+                       lengths=lengths, requests=requests)
 
     def _on(self, batch_size: int) -> bool:
         return batch_size >= self.spec.turn_on_batch_size
@@ -191,30 +194,47 @@ class TetrisPolicy(Policy):
                 return torch.from_numpy(top_capacity_keep_drafting(costs_of(logprobs.numpy()), drafting.numpy(),
                                                                    plan.capacity))
             return keep_fixed
-        times, step = self._step_times(plan, batch_size)  # as `select` will time the step
+        times = self._step_times(plan, batch_size)  # as `select` will time the step
+        step, lengths = smallest_step(times), plan.drafts(batch_size)
 
         def keep_goodput(logprobs: Tensor, drafting: Tensor) -> Tensor:
-            return torch.from_numpy(self.goodput.keep_drafting(logprobs.numpy(), drafting.numpy(), times, step))
+            keep = self.goodput.keep_drafting(logprobs.numpy(), drafting.numpy(), times, step)
+            return torch.from_numpy(keep & (lengths > logprobs.shape[1]))  # each request up to its own length
         return keep_goodput
 
-    def _step_times(self, plan: Plan, batch_size: int) -> tuple[np.ndarray, float]:
-        """The step's `step_times` for every C and their smallest step, kept per (B, K') while the cost model stays."""
-        if self._times is None or self._times[0] is not plan.step_time:
-            self._times = plan.step_time, {}
-        by_shape = self._times[1]
-        shape = (batch_size, plan.k_prime)
-        if shape not in by_shape:  # K' changes from step to step: every shape seen is kept (a few dozen at most)
-            times = step_times(plan.step_time, batch_size, plan.k_prime)
-            by_shape[shape] = times, smallest_step(times)
-        return by_shape[shape]
+    def _step_costs(self, step_time, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(one draft pass's seconds by rows 0..B, the target's seconds over B + C rows for C = 0..B * cap), kept per
+        B while the cost model stays."""
+        if self._costs is None or self._costs[0] is not step_time:
+            self._costs = step_time, {}
+        by_batch = self._costs[1]
+        if batch_size not in by_batch:
+            rows = batch_size + np.arange(batch_size * self.goodput.max_draft + 1)
+            by_batch[batch_size] = (pass_times(step_time, batch_size),
+                                    np.asarray(step_time.target_s(rows), dtype=float))
+        return by_batch[batch_size]
+
+    def _step_times(self, plan: Plan, batch_size: int) -> np.ndarray:
+        """(B*K' + 1,) seconds of the planned step verifying C = 0..B*K' drafts: its draft passes (each over the
+        requests drafting that far) and one target pass over B + C rows. Kept for the plan (pruned drafting and
+        `select` both read them)."""
+        if self._planned is None or self._planned[0] is not plan:
+            passes, target = self._step_costs(plan.step_time, batch_size)
+            drafting = drafting_time(plan.drafts(batch_size), passes)
+            self._planned = plan, drafting + target[:batch_size * plan.k_prime + 1]
+        return self._planned[1]
 
     def select(self, plan: Plan, proposal, accept_probs: Tensor | None = None) -> Tensor:
         batch_size, k_prime = proposal.logprobs.shape
         if not self._on(batch_size):
             return sd_windows(batch_size, plan.k, k_prime, device=proposal.logprobs.device)
         if self.auto:
-            survival = self.goodput.survival(proposal.logprobs.numpy())  # (B, K')
-            return torch.from_numpy(goodput_windows(survival, self._step_times(plan, batch_size)[0]))
+            logprobs = proposal.logprobs.numpy()  # (B, K')
+            lengths = plan.drafts(batch_size)
+            if lengths.min(initial=k_prime) < k_prime:  # drafts past a request's length (unpruned, or measuring)
+                logprobs = np.where(np.arange(k_prime) < lengths[:, None], logprobs, -np.inf)
+            survival = self.goodput.survival(logprobs, plan.requests)  # (B, K')
+            return torch.from_numpy(goodput_windows(survival, self._step_times(plan, batch_size)))
         if self.calibrated:  # top-C by calibrated survival
             return _top_capacity_windows(torch.from_numpy(self.goodput.survival(proposal.logprobs.numpy())),
                                          plan.capacity)
