@@ -15,7 +15,8 @@ from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import make_policy
 from batchspec.spec.policies.goodput import (Goodput, capacity_rates, drafting_time, goodput_capacity,
-                                             goodput_draft_lengths, goodput_windows, pass_times, smallest_step)
+                                             goodput_draft_lengths, goodput_windows, padded_rows, pass_times,
+                                             smallest_step)
 from batchspec.spec.policies.tetris import _top_capacity_windows
 from batchspec.spec.proposal import replay_drafting, undrafted
 from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
@@ -50,6 +51,30 @@ def test_goodput_capacity_equals_brute_force(batch, width, seed, per_row, step_r
     assert windows.tolist() == _top_capacity_windows(torch.from_numpy(survival), capacity).tolist()
     rate = (batch + sum(survival[i, :w].sum() for i, w in enumerate(windows))) / float(seconds(np.array([capacity]))[0])
     assert abs(rate - _brute_force_rate(survival, seconds)) < 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 10_000), st.floats(0.0, 0.5), st.floats(0.0, 0.2))
+def test_padded_attention_rows_are_priced_in_the_capacity(batch, width, seed, per_row, pad_s):
+    """With uneven windows padded to the longest, the windows are still the top-C prefix with the most expected
+    tokens per second, each C priced with its padded rows."""
+    rng = np.random.default_rng(seed)
+    survival = np.cumprod(rng.uniform(0.0, 1.0, (batch, width)), axis=1)
+    times = 1.0 + per_row * np.arange(batch * width + 1)
+    windows = goodput_windows(survival, times, pad_s)
+
+    def rate(capacity):
+        chosen = _top_capacity_windows(torch.from_numpy(survival), capacity).numpy()
+        padded = batch * int(chosen.max()) - capacity if capacity else 0
+        return (batch + sum(survival[i, :w].sum() for i, w in enumerate(chosen))) / (times[capacity] + pad_s * padded)
+
+    assert rate(int(windows.sum())) >= max(rate(c) for c in range(batch * width + 1)) - 1e-12
+    assert windows.tolist() == _top_capacity_windows(torch.from_numpy(survival), int(windows.sum())).tolist()
+
+
+def test_padded_rows_count_attention_padding():
+    # B = 3: windows 0, 0, 0 -> 1, 0, 0 (1 padded row each for two requests) -> 2, 0, 0 (4) -> 2, 1, 0 (3)
+    assert padded_rows(np.array([0, 1, 0]), 3).tolist() == [2, 4, 3]
 
 
 def test_free_verification_takes_everything_and_costly_takes_nothing():
@@ -148,6 +173,18 @@ def test_draft_lengths_are_the_best_plan(batch, width, seed, per_draft, pass_fix
         for plan in itertools.product(range(width + 1), repeat=batch):
             plan = np.array(plan)
             assert chosen >= (_plan_rate(expected, plan, passes, target) if plan.any() else batch / target[0]) - 1e-12
+
+
+def test_padded_attention_makes_uneven_lengths_pay_less():
+    """An easy and a hard request: uneven lengths while rows are all the target prices; fewer padded rows once a
+    padded row costs more than a verified draft."""
+    expected = np.array([[0.99, 0.98, 0.97, 0.96, 0.95, 0.94], [0.5, 0.25, 0.12, 0.06, 0.03, 0.01]])
+    passes = np.array([0.0, 0.02, 0.04])  # a pass costs by its rows
+    target = 1.0 + 0.03 * np.arange(2 + 12 + 1)
+    uneven = goodput_draft_lengths(expected, passes, target)
+    assert uneven[0] > uneven[1]
+    even = goodput_draft_lengths(expected, passes, target, pad_s=0.2)
+    assert 2 * even.max() - even.sum() < 2 * uneven.max() - uneven.sum()  # fewer padded rows
 
 
 def test_easy_requests_draft_long_and_hard_ones_short():

@@ -60,3 +60,23 @@ def test_a_row_time_slowed_by_a_busy_machine_is_timed_again(monkeypatch):
     assert table.rows == (1, 2, 3, 4)
     assert table.seconds == (1.01, 1.02, 1.04, 1.04)
     assert calls == {1: 1, 2: 2, 3: 1 + profiling.RETIMES, 4: 1}
+
+
+def test_the_target_profile_prices_padded_attention_rows(tmp_path, monkeypatch, tiny_model_factory):
+    """Uneven appends pad attention to the longest: its cost per padded row is profiled with the target's table and
+    read back from the cache with it (the draft's table has none)."""
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
+    target = load_model(tiny_model_factory(name="target", seed=0)).transformer
+    draft = load_model(tiny_model_factory(name="draft", seed=1, hidden_size=32, intermediate_size=64)).transformer
+    timed: list[list[int]] = []
+
+    def ragged(model, appends, repeats=2):
+        timed.append(list(appends))
+        return 0.010 + 0.001 * sum(appends) + 0.0005 * len(appends) * (max(appends) - min(appends))
+
+    monkeypatch.setattr(profiling, "_time_ragged", ragged)
+    cost = profiling.step_cost(target, draft, max_batch=4, k_max=2, max_draft=2)
+    assert [2, 2, 2, 2] in timed and [5, 1, 1, 1] in timed
+    assert abs(cost.pad_s - 0.0005 * 4 * 4 / (4 * 5 - 8)) < 1e-12 and cost.draft.pad_s == 0.0
+    monkeypatch.setattr(profiling, "_time_ragged", lambda *args, **kwargs: 1 / 0)  # read back, never profiled again
+    assert profiling.step_cost(target, draft, max_batch=4, k_max=2, max_draft=2) == cost

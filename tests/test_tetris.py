@@ -174,3 +174,24 @@ def test_pruned_drafting_keeps_every_draft_the_selection_verifies(batch_size, k_
     assert bool((windows <= drafted).all())
     if capacity == 0:
         assert drafted.tolist() == [1] * batch_size  # nothing can be verified: one pass, then stop
+
+
+def test_requests_planned_no_drafts_do_not_run_the_draft(tiny_model_factory):
+    """`propose` with `first`: the requests left out draft nothing and their draft cache is untouched (their pending
+    tokens wait); the others draft exactly what they draft in a pass over the whole batch."""
+    from batchspec.spec.proposal import propose
+    from batchspec.weights.loading import load_model
+
+    model = load_model(tiny_model_factory(name="draft", seed=3)).transformer
+    pending = [[5, 6, 7], [8, 9], [10]]
+    results = []
+    for first in (None, torch.tensor([True, False, True])):
+        cache = model.new_cache(3, 32)
+        slots = torch.tensor([cache.allocate() for _ in range(3)])
+        proposal = propose(model, cache, slots, pending, 3, sampling=None, uniforms=None, first=first)
+        results.append((proposal, cache.lengths[slots].tolist()))
+    (every, every_lengths), (some, some_lengths) = results
+    assert some.drafted.tolist() == [3, 0, 3] and every.drafted.tolist() == [3, 3, 3]
+    assert torch.isinf(some.logprobs[1]).all()
+    assert some.tokens[[0, 2]].tolist() == every.tokens[[0, 2]].tolist()
+    assert some_lengths == [every_lengths[0], 0, every_lengths[2]]

@@ -175,6 +175,7 @@ class _SimStepCost:
     policy: Policy
     batch: int
     context: int
+    pad_s: float = 0.0  # the cost models price rows, not attention padding
 
     def __call__(self, batch: int, k: int) -> float:  # dsd's T(B, k)
         return _step_time(self.cost, self.pipeline, self.policy, batch, self.draft_s(batch, k), batch * (k + 1),

@@ -57,13 +57,16 @@ def ragged_inputs(pending: list[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
 
 def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[list[int]], k_prime: int,
             sampling: tuple[Tensor, Tensor, Tensor], uniforms: Tensor | None,
-            scorer: DraftScorer | None = None, keep_drafting: KeepDrafting | None = None) -> Proposal:
+            scorer: DraftScorer | None = None, keep_drafting: KeepDrafting | None = None,
+            first: Tensor | None = None) -> Proposal:
     """Run the draft up to K' sequential steps for the whole batch; step 1 also feeds each request's pending tokens.
 
     sampling: (temperature, top_k, top_p), each (B,); uniforms (B, K') for the draws, None when all greedy.
     scorer: also score every draft with SPRINTER's verifier; with its `stop_below`, a request stops drafting after its
     first draft scored below that (SPRINTER blocks). keep_drafting: the policy's rule, asked after every step but the
     last, for which requests draft on. Later steps run only the requests still drafting; none left: drafting ends.
+    first: (B,) bool, the requests that draft at all (None: every one); the others draft nothing, and their pending
+    tokens wait for a step in which they draft.
     """
     greedy_all = uniforms is None
     batch = len(pending)
@@ -73,7 +76,10 @@ def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[lis
     scores = torch.zeros(batch, k_prime) if scorer is not None else None
     drafted = torch.full((batch,), k_prime, dtype=torch.int64)
     rows = torch.arange(batch)  # requests still drafting
-    num_new, tokens, last_rows = ragged_inputs(pending)
+    if first is not None:
+        drafted[~first] = 0
+        rows = rows[first]
+    num_new, tokens, last_rows = ragged_inputs(pending if first is None else [pending[i] for i in rows.tolist()])
     for step in range(k_prime):
         out = draft.forward(cache, slots[rows], num_new, tokens, logit_rows=last_rows)
         if not greedy_all:

@@ -76,10 +76,12 @@ def run(policy: Policy, plan: Plan, models: SpecModels, inputs: StepInputs, stat
     # A measured step drafts everything: the oracle and a recorded trace need every draft (pruning is exact, so the
     # policy's windows are the same either way).
     keep_drafting = None if measure else policy.drafting_rule(plan, len(inputs.draft_pending))
+    # A plan with a length per request: those planned none do not run the draft at all.
+    first = None if measure or plan.lengths is None or plan.lengths.all() else torch.from_numpy(plan.lengths > 0)
     started = time.perf_counter()
     proposal = propose(models.draft, models.draft_cache, inputs.slots, inputs.draft_pending, k_prime,
                        inputs.sampling, None if inputs.draws is None else inputs.draws[:, :k_prime],
-                       scorer=policy.draft_scorer(), keep_drafting=keep_drafting)
+                       scorer=policy.draft_scorer(), keep_drafting=keep_drafting, first=first)
     stats.draft_s += time.perf_counter() - started
     drafted = proposal.drafted.tolist()
     stats.draft_tokens += sum(drafted)

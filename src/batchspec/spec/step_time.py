@@ -78,6 +78,9 @@ class RowTimeTable:
 
     rows: tuple[int, ...]  # increasing
     seconds: tuple[float, ...]
+    # Seconds per attention query row padded: a forward whose requests append different numbers of tokens pads each
+    # to the most (`runtime.attention`), and the rows above are timed without padding (0: not profiled).
+    pad_s: float = 0.0
 
     def __post_init__(self) -> None:  # arrays once: the table is read at every step (selection overhead)
         x, y = np.asarray(self.rows, dtype=np.float64), np.asarray(self.seconds, dtype=np.float64)
@@ -100,6 +103,11 @@ class StepCost:
     target: RowTimeTable | None = None  # the target's forward by rows scored
     draft: RowTimeTable | None = None  # the draft's forward by requests (one token each)
 
+    @property
+    def pad_s(self) -> float:
+        """The target's seconds per padded attention query row (`RowTimeTable.pad_s`)."""
+        return self.target.pad_s if self.target is not None else 0.0
+
     def draft_s(self, batch_size: int, k: int) -> float:
         # A table, not the fit's draft terms: a least-squares fit over few points may give them any sign.
         return k * float(self.draft(batch_size)) if k else 0.0
@@ -116,7 +124,9 @@ class StepCost:
         return self.draft_s(batch_size, k) + float(self.target_s(batch_size * (k + 1)))
 
 
-PROFILE_VERSION = 2  # 2: row times re-timed where a busy machine slowed them, and non-decreasing (`profile_row_times`)
+# 2: row times re-timed where a busy machine slowed them, and non-decreasing (`profile_row_times`); 3: the target's
+# padded attention rows (`profile_pad_time`).
+PROFILE_VERSION = 3
 
 # Forwards are timed after this many tokens of context: a chat prompt and part of its answer (HumanEval's chat prompts
 # run 100-250 tokens, answers 128-256), where attention's share of a step is what a served request sees.
@@ -127,14 +137,20 @@ def _time_forward(model: Transformer, batch: int, tokens_each: int, repeats: int
     """Median seconds of one forward of `batch` requests appending `tokens_each` tokens after `PROFILE_CONTEXT`
     tokens of context. The context is the cache's zeros, never computed: attention's cost depends on how many keys
     it reads, not on their values, and a prefill per profiled point would cost more than the profile."""
-    context_len = max(0, min(PROFILE_CONTEXT, model.config.max_position_embeddings - tokens_each - 1))
-    cache = model.new_cache(batch, context_len + tokens_each + 1)
+    return _time_ragged(model, [tokens_each] * batch, repeats)
+
+
+def _time_ragged(model: Transformer, appends: list[int], repeats: int = 2) -> float:
+    """`_time_forward` with request i appending appends[i] tokens."""
+    longest, batch = max(appends), len(appends)
+    context_len = max(0, min(PROFILE_CONTEXT, model.config.max_position_embeddings - longest - 1))
+    cache = model.new_cache(batch, context_len + longest + 1)
     slots = torch.tensor([cache.allocate() for _ in range(batch)])
     times = []
     for _ in range(repeats + 1):  # the first call warms up and is dropped
         cache.lengths[slots] = context_len
-        num_new = torch.full((batch,), tokens_each, dtype=torch.int64)
-        tokens = torch.randint(0, model.config.vocab_size, (batch * tokens_each,))
+        num_new = torch.tensor(appends, dtype=torch.int64)
+        tokens = torch.randint(0, model.config.vocab_size, (sum(appends),))
         started = time.perf_counter()
         model.forward(cache, slots, num_new, tokens)
         times.append(time.perf_counter() - started)
@@ -208,8 +224,22 @@ def row_grid(max_rows: int) -> list[int]:
     return sorted(r for r in grid if r <= max(max_rows, 1))
 
 
-def profile_row_times(target: Transformer, max_batch: int, max_rows: int) -> RowTimeTable:
-    """The target's forward time at each `row_grid` point: min(rows, max_batch) requests sharing the rows.
+def profile_pad_time(model: Transformer, max_batch: int) -> float:
+    """Seconds per padded attention query row: up to 8 requests appending 2 tokens each, against the same rows with
+    one request appending all but one per other request (padded to B * (B + 1) query rows instead of 2B). Measured
+    on the Qwen 1.5B target in bfloat16 (attention in float64 for batch invariance), 300 tokens of context: 32 rows
+    as windows of 6, 0, 6, 5, 0, 0, 6, 1 took 234 ms, as windows of 3 each 214-220."""
+    requests = min(max_batch, 8)
+    if requests < 2:
+        return 0.0
+    uniform = _time_ragged(model, [2] * requests, repeats=3)
+    ragged = _time_ragged(model, [requests + 1] + [1] * (requests - 1), repeats=3)
+    return max(0.0, (ragged - uniform) / (requests * (requests + 1) - 2 * requests))
+
+
+def profile_row_times(target: Transformer, max_batch: int, max_rows: int, pad: bool = False) -> RowTimeTable:
+    """The target's forward time at each `row_grid` point: min(rows, max_batch) requests sharing the rows (with
+    `pad`, also `profile_pad_time`).
 
     A forward over fewer rows never costs more than one over more (the kernels pad rows into blocks), so a point
     timed above a later one by more than noise was slowed by something else on the machine: it is timed again (a
@@ -230,18 +260,19 @@ def profile_row_times(target: Transformer, max_batch: int, max_rows: int) -> Row
             points[rows] = min(points[rows], time_rows(rows)[1])
     ordered = sorted(points)
     seconds = np.minimum.accumulate([points[r] for r in reversed(ordered)])[::-1]  # non-decreasing in the rows
-    return RowTimeTable(tuple(ordered), tuple(float(s) for s in seconds))
+    return RowTimeTable(tuple(ordered), tuple(float(s) for s in seconds),
+                        profile_pad_time(target, max_batch) if pad else 0.0)
 
 
 SLOWED = 1.25  # a point this much above a point with more rows was timed on a busy machine
 RETIMES = 3  # rounds of timing such points again
 
 
-def cached_row_times(model: Transformer, max_batch: int, max_rows: int) -> RowTimeTable:
+def cached_row_times(model: Transformer, max_batch: int, max_rows: int, pad: bool = False) -> RowTimeTable:
     """`profile_row_times`, remembered on disk for this machine and model."""
-    return _cached(f"row-times-{_profile_key(model, model, max_batch, max_rows)}",
-                   lambda: profile_row_times(model, max_batch, max_rows),
-                   lambda data: RowTimeTable(tuple(data["rows"]), tuple(data["seconds"])))
+    return _cached(f"row-times-{_profile_key(model, model, max_batch, max_rows)}{'-pad' if pad else ''}",
+                   lambda: profile_row_times(model, max_batch, max_rows, pad),
+                   lambda data: RowTimeTable(tuple(data["rows"]), tuple(data["seconds"]), float(data["pad_s"])))
 
 
 def step_cost(target: Transformer, draft: Transformer, max_batch: int, k_max: int,
@@ -251,5 +282,5 @@ def step_cost(target: Transformer, draft: Transformer, max_batch: int, k_max: in
     model = cached_step_time(target, draft, max_batch, k_max)
     if max_draft is None:
         return StepCost(model)
-    return StepCost(model, cached_row_times(target, max_batch, max_batch * (max_draft + 1)),
+    return StepCost(model, cached_row_times(target, max_batch, max_batch * (max_draft + 1), pad=True),
                     cached_row_times(draft, max_batch, max_batch))

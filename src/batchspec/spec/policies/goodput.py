@@ -33,18 +33,29 @@ def goodput_capacity(survival: np.ndarray, times: np.ndarray) -> int:
     return int(np.argmax(capacity_rates(survival, times)))
 
 
-def goodput_windows(survival: np.ndarray, times: np.ndarray) -> np.ndarray:
+def padded_rows(columns: np.ndarray, batch_size: int) -> np.ndarray:
+    """(N,) attention query rows the target pads when it verifies the first C = 1..N drafts of an order (`columns`:
+    each draft's 0-based position): attention pads every request to the longest window + 1 (its (B, n_max) queries),
+    B * (2 + the deepest position so far) against the B + C rows scored."""
+    return batch_size * (np.maximum.accumulate(columns) + 1) - np.arange(1, len(columns) + 1)
+
+
+def goodput_windows(survival: np.ndarray, times: np.ndarray, pad_s: float = 0.0) -> np.ndarray:
     """Windows (B,) of the top-C drafts by survival at the goodput-best C: one stable sort serves both.
 
     A stable sort of -survival in row-major order keeps each row's positions in order (survival is non-increasing
-    along K'), so every prefix of it is prefix-closed per request, also under ties.
+    along K'), so every prefix of it is prefix-closed per request, also under ties. pad_s: the target's seconds per
+    padded attention row (`padded_rows`), added to times.
     """
     batch_size, k_prime = survival.shape
     flat = survival.reshape(-1)
     order = np.argsort(-flat, kind="stable")  # (B*K',)
     expected = np.cumsum(flat[order])
     expected += batch_size
-    rates = expected / times[1:len(order) + 1]  # C = 1, ..., B*K'
+    seconds = times[1:len(order) + 1]  # C = 1, ..., B*K'
+    if pad_s:
+        seconds = seconds + pad_s * padded_rows(order % k_prime, batch_size)
+    rates = expected / seconds
     best = int(np.argmax(rates))
     capacity = best + 1 if rates[best] > batch_size / times[0] else 0  # C = 0 wins ties, as in `goodput_capacity`
     return np.bincount(order[:capacity] // k_prime, minlength=batch_size)
@@ -83,11 +94,13 @@ def drafting_time(lengths: np.ndarray, passes: np.ndarray) -> float:
     return float(passes[per_pass].sum())
 
 
-def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.ndarray) -> np.ndarray:
+def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.ndarray,
+                          pad_s: float = 0.0) -> np.ndarray:
     """Draft lengths (B,) before drafting, for the most expected tokens per second of the step. int64, 0 = none.
 
     expected (B, K): each request's predicted survival of positions 1..K, non-increasing along K; passes: one draft
-    pass's seconds by rows (`pass_times`); target (B*K + 1,): the target's seconds over B + C rows, C = 0..B*K.
+    pass's seconds by rows (`pass_times`); target (B*K + 1,): the target's seconds over B + C rows, C = 0..B*K;
+    pad_s: its seconds per padded attention row (`padded_rows`: uneven windows cost more than their rows).
     Two families of plans, the better predicted rate wins (all zeros, a plain decoding step, when neither beats it):
     - per request: the top C predicted positions over the batch (prefix-closed per request, as in `goodput_windows`),
       each request drafting exactly its own and the target verifying them all; pass j then runs over only the
@@ -102,14 +115,25 @@ def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.n
     # Rows of pass j once this entry is drafted: 1 + how many earlier entries are at the same position.
     rows = np.cumsum(columns[:, None] == np.arange(width), axis=0)[np.arange(len(order)), columns]
     drafting = np.cumsum(passes[rows] - passes[rows - 1])
-    rates = (batch + np.cumsum(flat[order])) / (drafting + target[1:len(order) + 1])
+    seconds = drafting + target[1:len(order) + 1]
+    if pad_s:
+        seconds += pad_s * padded_rows(columns, batch)
+    rates = (batch + np.cumsum(flat[order])) / seconds
     best = int(np.argmax(rates))
     lengths = np.zeros(batch, dtype=np.int64)
     best_rate = batch / float(target[0])
     if rates[best] > best_rate:
         lengths, best_rate = np.bincount(order[:best + 1] // width, minlength=batch), float(rates[best])
+    prefix = np.concatenate([np.zeros((batch, 1)), np.cumsum(expected, axis=1)], axis=1)  # (B, K + 1)
     for k_prime in range(1, width + 1):
-        rate = float(capacity_rates(expected[:, :k_prime], k_prime * passes[batch] + target).max())
+        times = k_prime * passes[batch] + target
+        if pad_s:  # as `goodput_windows` will choose C, uneven windows priced
+            windows = goodput_windows(expected[:, :k_prime], times, pad_s)
+            verified = int(windows.sum())
+            rate = ((batch + float(prefix[np.arange(batch), windows].sum()))
+                    / (times[verified] + pad_s * (batch * int(windows.max()) - verified)))
+        else:
+            rate = float(capacity_rates(expected[:, :k_prime], times).max())
         if rate > best_rate:
             lengths, best_rate = np.full(batch, k_prime, dtype=np.int64), rate
     return lengths
@@ -234,16 +258,17 @@ class Goodput:
         bins = self._last[1] if same else bin_of(logprobs)
         self.calibration.update(bins, windows, accepted)
 
-    def draft_lengths(self, requests: tuple, passes: np.ndarray, target: np.ndarray) -> np.ndarray:
+    def draft_lengths(self, requests: tuple, passes: np.ndarray, target: np.ndarray,
+                      pad_s: float = 0.0) -> np.ndarray:
         """Draft lengths (B,) for the next step (`goodput_draft_lengths` on each request's own estimate): the whole
         cap until a step has been seen; after a run of plain decoding steps, one draft per request, to see whether
-        drafting pays again. passes, target: the step's costs, as `goodput_draft_lengths` takes them."""
+        drafting pays again. passes, target, pad_s: the step's costs, as `goodput_draft_lengths` takes them."""
         if self.expected_survival is None:
             return np.full(len(requests), self.max_draft, dtype=np.int64)
         if self._best is not None and self._best[0] == requests and self._best[1] is target:
             lengths = self._best[2]  # nothing learned since (plain decoding steps): the same choice
         else:
-            lengths = goodput_draft_lengths(self._own_rows(requests), passes, target)
+            lengths = goodput_draft_lengths(self._own_rows(requests), passes, target, pad_s)
             self._best = requests, target, lengths
         if lengths.any():
             self._plain_steps, self._wait = 0, self.explore_after

@@ -166,7 +166,7 @@ class TetrisPolicy(Policy):
         if step_time is None:
             raise BatchspecError("tetris with --capacity auto needs a step-time model to choose its capacity")
         requests = tuple(range(batch_size) if requests is None else requests)
-        lengths = self.goodput.draft_lengths(requests, *self._step_costs(step_time, batch_size))
+        lengths = self.goodput.draft_lengths(requests, *self._step_costs(step_time, batch_size), step_time.pad_s)
         return replace(super().plan(batch_size), k_prime=int(lengths.max(initial=0)), step_time=step_time,
                        lengths=lengths, requests=requests)
 
@@ -195,7 +195,10 @@ class TetrisPolicy(Policy):
                                                                    plan.capacity))
             return keep_fixed
         times = self._step_times(plan, batch_size)  # as `select` will time the step
-        step, lengths = smallest_step(times), plan.drafts(batch_size)
+        lengths = plan.drafts(batch_size)
+        # The bound of `goodput_keep_drafting` holds for times that only grow with C; padded attention rows shrink as
+        # shorter windows fill up to the longest, so with them priced each request drafts its planned length.
+        step = 0.0 if plan.step_time.pad_s else smallest_step(times)
 
         def keep_goodput(logprobs: Tensor, drafting: Tensor) -> Tensor:
             keep = self.goodput.keep_drafting(logprobs.numpy(), drafting.numpy(), times, step)
@@ -234,7 +237,7 @@ class TetrisPolicy(Policy):
             if lengths.min(initial=k_prime) < k_prime:  # drafts past a request's length (unpruned, or measuring)
                 logprobs = np.where(np.arange(k_prime) < lengths[:, None], logprobs, -np.inf)
             survival = self.goodput.survival(logprobs, plan.requests)  # (B, K')
-            return torch.from_numpy(goodput_windows(survival, self._step_times(plan, batch_size)))
+            return torch.from_numpy(goodput_windows(survival, self._step_times(plan, batch_size), plan.step_time.pad_s))
         if self.calibrated:  # top-C by calibrated survival
             return _top_capacity_windows(torch.from_numpy(self.goodput.survival(proposal.logprobs.numpy())),
                                          plan.capacity)
