@@ -187,6 +187,33 @@ def test_padded_attention_makes_uneven_lengths_pay_less():
     assert 2 * even.max() - even.sum() < 2 * uneven.max() - uneven.sum()  # fewer padded rows
 
 
+def test_a_short_burst_of_drafting_after_an_exploration_does_not_reset_the_wait(monkeypatch):
+    """Exploring, one draft accepted, two steps of drafting, then plain again: the next exploration still waits twice
+    as long; only drafting that keeps paying for `explore_after` steps brings the wait back."""
+    import batchspec.spec.policies.goodput as goodput_module
+
+    script: list[int] = []
+    monkeypatch.setattr(goodput_module, "goodput_draft_lengths",
+                        lambda expected, passes, target, pad_s=0.0: np.full(len(expected), script.pop(0)))
+    goodput = Goodput(max_draft=4)
+    goodput.survival(np.log(np.full((1, 4), 0.5)), (0,))
+    wait = Goodput.explore_after
+
+    def steps(chosen: list[int]) -> list[int]:
+        script.extend(chosen)
+        out = []
+        for _ in chosen:
+            goodput._best = None  # as after a step that drafted (survival seen)
+            out.append(int(goodput.draft_lengths((0,), np.zeros(2), np.ones(5)).max()))
+        return out
+
+    assert steps([0] * wait) == [0] * (wait - 1) + [1]  # the first exploration after `wait` plain steps
+    steps([1, 1])  # a burst of drafting
+    assert steps([0] * 2 * wait) == [0] * (2 * wait - 1) + [1]  # the wait doubled all the same
+    steps([1] * wait)  # drafting that keeps paying
+    assert steps([0] * wait) == [0] * (wait - 1) + [1]
+
+
 def test_easy_requests_draft_long_and_hard_ones_short():
     """Each request's own survival sets its length: one whose drafts are accepted drafts longer than one whose
     drafts are rejected, whatever row it is in; a new request starts at the batch's estimate."""
@@ -213,6 +240,23 @@ def test_goodput_drafts_the_cap_first_then_explores_ever_more_rarely():
     lengths = [int(goodput.draft_lengths(requests, *costs).max()) for _ in range(3 * wait + 1)]
     # One draft after `wait` plain steps, then after twice as many while drafting keeps not paying.
     assert lengths == [0] * (wait - 1) + [1] + [0] * (2 * wait - 1) + [1] + [0]
+
+
+def test_an_exploration_verifies_its_drafts():
+    """Drafting that does not pay: an exploration's one draft per request is verified all the same (the calibration
+    learns only from verified drafts; one chosen away would be drafted for nothing)."""
+    from batchspec.spec.proposal import Proposal
+
+    policy = make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8, capacity="auto"))
+    cost = _cost(draft_step=10.0, per_row=0.5)  # nothing is worth verifying
+    requests = (0, 1)
+    policy.goodput.survival(np.log(np.full((2, 8), 0.5)), requests)
+    plans = [policy.plan(2, cost, requests) for _ in range(Goodput.explore_after)]
+    assert [plan.k_prime for plan in plans] == [0] * (Goodput.explore_after - 1) + [1]
+    proposal = Proposal(torch.zeros(2, 1, dtype=torch.int64), None, torch.log(torch.full((2, 1), 0.01)))
+    assert policy.select(plans[-1], proposal).tolist() == [1, 1]
+    policy.goodput.exploring = False
+    assert policy.select(plans[-1], proposal).tolist() == [0, 0]  # what the capacity's choice would have been
 
 
 def test_positions_past_the_drafts_follow_the_calibration():

@@ -237,6 +237,8 @@ class TetrisPolicy(Policy):
             if lengths.min(initial=k_prime) < k_prime:  # drafts past a request's length (unpruned, or measuring)
                 logprobs = np.where(np.arange(k_prime) < lengths[:, None], logprobs, -np.inf)
             survival = self.goodput.survival(logprobs, plan.requests)  # (B, K')
+            if self.goodput.exploring:  # an exploration learns only from drafts the target verifies
+                return torch.minimum(torch.from_numpy(lengths), proposal.drafted)
             return torch.from_numpy(goodput_windows(survival, self._step_times(plan, batch_size), plan.step_time.pad_s))
         if self.calibrated:  # top-C by calibrated survival
             return _top_capacity_windows(torch.from_numpy(self.goodput.survival(proposal.logprobs.numpy())),
