@@ -134,6 +134,8 @@ def _step(timelines: Timelines, cost, config: SimConfig, policy: Policy, active:
     if k_prime:
         rule = policy.drafting_rule(plan, batch)  # pruned drafting, replayed on the recorded drafts
         drafted = replay_drafting(rule, logprobs) if rule is not None else torch.full((batch,), k_prime)
+        if plan.lengths is not None:  # as `propose(first=...)`: a request planned no drafts does not draft
+            drafted[torch.from_numpy(plan.lengths == 0)] = 0
         passes = [int((drafted > j).sum()) for j in range(k_prime)]
         proposal = Proposal(tokens=torch.zeros(batch, k_prime, dtype=torch.int64), probs=None,
                             logprobs=undrafted(logprobs, drafted), drafted=drafted)
