@@ -253,6 +253,8 @@ class Goodput:
 
     def keep_drafting(self, logprobs: np.ndarray, drafting: np.ndarray, times: np.ndarray, step: float) -> np.ndarray:
         """`goodput_keep_drafting` on the drafts so far (B, j), as `survival` will estimate them."""
+        if step <= 0.0:  # every request drafts on (`goodput_keep_drafting`): no estimate needed
+            return drafting
         return goodput_keep_drafting(self.estimate(logprobs), drafting, times, step)
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
@@ -274,9 +276,8 @@ class Goodput:
             lengths = goodput_draft_lengths(self._own_rows(requests), passes, target, pad_s)
             self._best = requests, target, lengths
         if lengths.any():
-            # The wait is back to its shortest once drafting has paid for a while: an exploration whose one accepted
-            # draft buys a step or two of drafting before it stops again does not (the SmolLM2 pair at batch 1 drafted
-            # 77 tokens in 8 prompts that way, 3 % of its time, where no draft pays).
+            # The wait is back to its shortest once drafting has paid for a while, not after an exploration whose one
+            # accepted draft buys a step or two of drafting before it stops again.
             self._plain_steps, self._drafting_steps = 0, self._drafting_steps + 1
             if self._drafting_steps >= self.explore_after:
                 self._wait = self.explore_after
