@@ -12,10 +12,11 @@ from batchspec.runtime.linear import (BACKENDS, ENV_VAR, ONEDNN_CHUNK_ROWS, Pack
                                       invariant_chunk_rows, linear, onednn_available, onednn_bf16_available)
 
 
-def test_auto_takes_onednn_on_amd_and_for_bfloat16_where_the_build_has_it():
+def test_auto_takes_onednn_on_amd_and_intel_where_the_build_has_it():
     assert choose_backend("auto", "AuthenticAMD", onednn=True) == "onednn"
     assert choose_backend("auto", "AuthenticAMD", onednn=False) == "mkl"
-    assert choose_backend("auto", "GenuineIntel", onednn=True) == "mkl"
+    assert choose_backend("auto", "GenuineIntel", onednn=True) == "onednn"
+    assert choose_backend("auto", "GenuineIntel", onednn=False) == "mkl"
     assert choose_backend("auto", "GenuineIntel", onednn=True, bfloat16=True) == "onednn"
     assert choose_backend("auto", "GenuineIntel", onednn=False, bfloat16=True) == "mkl"
     assert choose_backend("auto", "", onednn=True) == "mkl"  # no /proc/cpuinfo: PyTorch's default

@@ -16,9 +16,19 @@ embedding, which token lookups read. A bfloat16 model (a draft) runs on packed w
 PyTorch already sends bfloat16 matmuls to oneDNN but reorders the weights on every call; packed, the shipped
 draft's six layers and head ran 2-3x faster (16 rows 5.9 -> 3.0 ms, one row 5.7 -> 2.0 ms).
 
-On Intel CPUs MKL is at least as fast in float32 (measured on a Xeon with AVX-512, through PyTorch's mkldnn
-tensors: oneDNN no faster at 16 rows, 1.7x slower at 80), so `auto` keeps MKL there for float32 models. bfloat16
-models go to oneDNN on packed weights everywhere: on a Xeon with AMX (2 threads) its packed kernel multiplies
+On Intel CPUs too, float32 runs faster on oneDNN's packed weights from two rows up (an earlier measurement on a
+Xeon through PyTorch's mkldnn tensors, not packed weights, had found it no faster at 16 rows and 1.7x slower at 80).
+Measured on a Xeon with AVX-512 and AMX (2 threads), the default SmolLM2-135M target's whole forward, 256 tokens of
+context, MKL -> oneDNN packed, ms:
+
+    rows (requests x tokens)   1x1    1x2    1x5    8x1    8x5   16x1   16x5
+    MKL                       31.7   68.8   69.5   75.7  107.3   84.8  148.5
+    oneDNN, packed            34.0   36.2   39.3   47.5   86.8   64.7  142.1
+
+MKL's small-row products on that CPU cost twice its one-row gemv, so a speculative verification of five rows cost
+2.2 decode steps; on oneDNN it costs 1.16, for a single decoding row 7 % more. So `auto` sends float32 to oneDNN on
+both vendors (MKL where the CPU is unknown: PyTorch's default). bfloat16 models go to oneDNN on packed weights
+everywhere: on a Xeon with AMX (2 threads) its packed kernel multiplies
 16 rows by the 1.5B target's 17920 x 1536 gate/up matrix in 1.35 ms where PyTorch's bfloat16 matmul (which
 reorders the weight on every call) takes 2.34, and a batch-invariant target can give it up to 32 rows per call
 (`invariant_chunk_rows`): 64 rows in 2 calls instead of 4 padded 16-row blocks. The choice
@@ -60,14 +70,14 @@ def onednn_bf16_available() -> bool:
 
 def choose_backend(choice: str, vendor: str, onednn: bool, bfloat16: bool = False, bf16_layout: bool = True) -> str:
     """`auto` -> oneDNN where the build has it for bfloat16 models (where the CPU can lay their weights out:
-    `bf16_layout`) and for float32 on AMD CPUs, else MKL; a named backend as named.
+    `bf16_layout`) and for float32 on AMD and Intel CPUs, else MKL; a named backend as named.
 
     vendor: /proc/cpuinfo's vendor_id ('AuthenticAMD', 'GenuineIntel', '' where unknown).
     """
     if choice == "auto":
         if bfloat16:
             return "onednn" if onednn and bf16_layout else "mkl"
-        return "onednn" if onednn and vendor == "AuthenticAMD" else "mkl"
+        return "onednn" if onednn and vendor in ("AuthenticAMD", "GenuineIntel") else "mkl"
     if choice not in BACKENDS:
         raise BatchspecError(f"unknown linear backend {choice!r} ({ENV_VAR}); use auto, {', '.join(BACKENDS)}")
     if choice == "onednn" and not onednn:
