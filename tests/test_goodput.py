@@ -175,6 +175,57 @@ def test_draft_lengths_are_the_best_plan(batch, width, seed, per_draft, pass_fix
             assert chosen >= (_plan_rate(expected, plan, passes, target) if plan.any() else batch / target[0]) - 1e-12
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(2, 4), st.integers(0, 10_000), st.floats(0.0, 0.3), st.floats(0.0, 0.2),
+       st.floats(0.0, 0.2), st.integers(1, 4))
+def test_a_plan_made_while_drafting_prices_only_the_passes_to_come(batch, width, seed, per_draft, pass_fixed,
+                                                                    per_row, step_rows):
+    """With `done` passes made (`spent` seconds), every plan pays `spent` and only the passes after `done`: the
+    chosen lengths are predicted at least as good as stopping now (the goodput-best C of the drafts made) and as
+    every one K' >= done for all; they never plan fewer drafts than made where that is not stopping."""
+    rng = np.random.default_rng(seed)
+    expected = np.cumprod(rng.uniform(0.0, 1.0, (batch, width)) ** rng.uniform(0.2, 3.0, (batch, 1)), axis=1)
+    passes = np.array([0.0, *(pass_fixed + per_draft * rows for rows in range(1, batch + 1))])
+    target = 1.0 + per_row * ((batch + np.arange(batch * width + 1) + step_rows - 1) // step_rows)
+    done = int(rng.integers(1, width))
+    spent = done * float(passes[batch])
+
+    def rate(lengths: np.ndarray) -> float:  # verify every planned draft; passes past `done` priced
+        more = np.maximum(lengths - done, 0)
+        gained = sum(expected[i, :n].sum() for i, n in enumerate(lengths))
+        return (batch + gained) / (spent + drafting_time(more, passes) + target[int(lengths.sum())])
+
+    lengths = goodput_draft_lengths(expected, passes, target, done=done, spent=spent)
+    stop_now = float(capacity_rates(expected[:, :done], spent + target).max())
+    chosen = max(rate(lengths), stop_now) if lengths.max() <= done else rate(lengths)
+    assert chosen >= stop_now - 1e-12
+    for k_prime in range(done, width + 1):
+        assert chosen >= float(capacity_rates(expected[:, :k_prime],
+                                              spent + (k_prime - done) * passes[batch] + target).max()) - 1e-12
+    # Before drafting (done = 0, nothing spent) the plan is the one made without the arguments.
+    assert goodput_draft_lengths(expected, passes, target, done=0, spent=0.0).tolist() == \
+        goodput_draft_lengths(expected, passes, target).tolist()
+
+
+def test_drafting_stops_for_a_request_whose_drafts_the_model_doubts():
+    """Re-planned on the drafts so far: two requests that have always been accepted alike, one now drafting a token
+    its draft model gives 0.1 and the other one it gives 0.99; only the confident one drafts on. Before any draft
+    was seen the plan stands."""
+    goodput = Goodput(max_draft=6)
+    cost = _cost(draft_step=0.05, per_row=0.01)
+    passes, target = _costs(cost, 2, 6)
+    drafting = np.array([True, True])
+    assert goodput.draft_on(np.log([[0.9], [0.9]]), drafting, passes, target).tolist() == [True, True]
+    for _ in range(20):  # the calibration learns that q predicts acceptance
+        drafts = np.log(np.array([[0.99, 0.99, 0.1, 0.99, 0.99, 0.99], [0.99, 0.99, 0.99, 0.99, 0.99, 0.99]]))
+        goodput.survival(drafts, requests=(0, 1))
+        goodput.observe(drafts, np.full(2, 6), np.array([2, 6]))
+    so_far = np.log(np.array([[0.99, 0.1], [0.99, 0.99]]))
+    assert goodput.draft_on(so_far, drafting, passes, target).tolist() == [False, True]
+    # A request that stopped earlier stays stopped.
+    assert goodput.draft_on(so_far, np.array([True, False]), passes, target)[1] == False  # noqa: E712
+
+
 def test_padded_attention_makes_uneven_lengths_pay_less():
     """An easy and a hard request: uneven lengths while rows are all the target prices; fewer padded rows once a
     padded row costs more than a verified draft."""
@@ -194,7 +245,8 @@ def test_a_short_burst_of_drafting_after_an_exploration_does_not_reset_the_wait(
 
     script: list[int] = []
     monkeypatch.setattr(goodput_module, "goodput_draft_lengths",
-                        lambda expected, passes, target, pad_s=0.0: np.full(len(expected), script.pop(0)))
+                        lambda expected, passes, target, pad_s=0.0, done=0, spent=0.0:
+                        np.full(len(expected), script.pop(0)))
     goodput = Goodput(max_draft=4)
     goodput.survival(np.log(np.full((1, 4), 0.5)), (0,))
     wait = Goodput.explore_after

@@ -160,6 +160,7 @@ def test_pruned_drafting_on_recorded_steps(default_model):
                                     for cost in (linear, stairs)]
     for spec, cost in learning:
         policy = TetrisPolicy(spec)
+        policy.replans = False  # the exact pruning alone (re-planning chooses lengths on purpose: tests/test_goodput.py)
         for logprobs, accept in steps:
             batch, k_prime = logprobs.shape
             plan = Plan(3, k_prime, min(spec.capacity_for(batch), batch * k_prime), cost)

@@ -132,6 +132,9 @@ class TetrisPolicy(Policy):
 
     name = "tetris"
     sorts = True
+    # With `capacity="auto"`: re-plan the draft lengths after each draft pass on what the drafts say (off: only the
+    # exact pruning, which never changes the windows).
+    replans = True
     description = "top-C cumulative acceptance across the batch"
 
     def __init__(self, spec, verifier=None) -> None:
@@ -180,7 +183,9 @@ class TetrisPolicy(Policy):
         return DraftScorer(self.verifier) if self.spec.tetris_scores == "verifier" else None
 
     def drafting_rule(self, plan: Plan, batch_size: int) -> KeepDrafting | None:
-        """Pruned drafting: a request stops drafting once none of its later drafts could be verified."""
+        """Pruned drafting: a request stops drafting once none of its later drafts could be verified; with
+        `capacity="auto"` (and `replans`) also once the step re-planned on its drafts so far (`Goodput.draft_on`)
+        stops it."""
         if not self.spec.prune_drafts or plan.k_prime < 2 or not self._on(batch_size):
             return None
         if self.spec.tetris_scores == "verifier":
@@ -200,9 +205,15 @@ class TetrisPolicy(Policy):
         # shorter windows fill up to the longest, so with them priced each request drafts its planned length.
         step = 0.0 if plan.step_time.pad_s else smallest_step(times)
 
+        passes, target = self._step_costs(plan.step_time, batch_size)
+
         def keep_goodput(logprobs: Tensor, drafting: Tensor) -> Tensor:
-            keep = self.goodput.keep_drafting(logprobs.numpy(), drafting.numpy(), times, step)
-            return torch.from_numpy(keep & (lengths > logprobs.shape[1]))  # each request up to its own length
+            so_far = logprobs.numpy()
+            keep = self.goodput.keep_drafting(so_far, drafting.numpy(), times, step)
+            keep &= lengths > so_far.shape[1]  # each request up to its own length
+            if self.replans and keep.any():
+                keep = self.goodput.draft_on(so_far, keep, passes, target, plan.step_time.pad_s)
+            return torch.from_numpy(keep)
         return keep_goodput
 
     def _step_costs(self, step_time, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
