@@ -27,7 +27,8 @@ context, MKL -> oneDNN packed, ms:
 
 MKL's small-row products on that CPU cost twice its one-row gemv, so a speculative verification of five rows cost
 2.2 decode steps; on oneDNN it costs 1.16, for a single decoding row 7 % more. So `auto` sends float32 to oneDNN on
-both vendors (MKL where the CPU is unknown: PyTorch's default). bfloat16 models go to oneDNN on packed weights
+both vendors (MKL where the CPU is unknown: PyTorch's default), and a small float32 model keeps its matrices plain
+too for one-row calls, which run as MKL's gemv (`PackedWeights.GEMV_COPY_BYTES`). bfloat16 models go to oneDNN on packed weights
 everywhere: on a Xeon with AMX (2 threads) its packed kernel multiplies
 16 rows by the 1.5B target's 17920 x 1536 gate/up matrix in 1.35 ms where PyTorch's bfloat16 matmul (which
 reorders the weight on every call) takes 2.34, and a batch-invariant target can give it up to 32 rows per call
@@ -311,9 +312,23 @@ class PackedWeights:
     """
 
     ROWS_HINT = 16  # the row count oneDNN chooses the layout for; every row count runs on it
+    # float32 one-row products run 7-17 % slower on oneDNN's packed weights than as MKL's gemv on the plain ones
+    # (`linear`'s docstring); a model whose float32 matrices fit in this many bytes keeps them plain too, for one-row
+    # calls (the default SmolLM2 target: 0.42 GiB; a 1.5B float32 target, 5.2 GiB, does not).
+    GEMV_COPY_BYTES = 1 << 30
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plain: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(packed) -> (packed, its plain values)
+
+    def keep_plain(self, packed: torch.Tensor, plain: torch.Tensor) -> None:
+        """Remember `plain`, the values of the packed matrix `packed`, for one-row float32 calls (`plain_of`)."""
+        self._plain[id(packed)] = (packed, plain)
+
+    def plain_of(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The plain values kept for a packed matrix (`keep_plain`), else None."""
+        entry = self._plain.get(id(weight))
+        return entry[1] if entry is not None and entry[0] is weight else None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         entry = self._by_id.get(id(weight))
@@ -330,6 +345,7 @@ class PackedWeights:
 
     def clear(self) -> None:
         self._by_id.clear()
+        self._plain.clear()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -363,6 +379,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         return _cuda(x, weight, bias, batch_invariant)
     if weight.is_mkldnn and backend != "onednn":  # a model packed for oneDNN asked to run under MKL (tests do)
         weight = weight.to_dense()
+    if backend == "onednn" and x.dtype == torch.float32 and x.shape[0] == 1:  # MKL's gemv where there is a plain copy
+        plain = weight if not weight.is_mkldnn else packed.plain_of(weight) if packed is not None else None
+        if plain is not None:
+            out = torch.mv(plain, x[0])[None]
+            return out if bias is None else out + bias
     if backend == "onednn" and x.dtype in (torch.float32, torch.bfloat16):
         w = weight if packed is None or weight.is_mkldnn else packed.get(weight)
         if not (batch_invariant and x.dtype == torch.bfloat16):
