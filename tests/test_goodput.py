@@ -182,7 +182,7 @@ def test_a_plan_made_while_drafting_prices_only_the_passes_to_come(batch, width,
                                                                     per_row, step_rows):
     """With `done` passes made (`spent` seconds), every plan pays `spent` and only the passes after `done`: the
     chosen lengths are predicted at least as good as stopping now (the goodput-best C of the drafts made) and as
-    every one K' >= done for all; they never plan fewer drafts than made where that is not stopping."""
+    every one K' >= done for all."""
     rng = np.random.default_rng(seed)
     expected = np.cumprod(rng.uniform(0.0, 1.0, (batch, width)) ** rng.uniform(0.2, 3.0, (batch, 1)), axis=1)
     passes = np.array([0.0, *(pass_fixed + per_draft * rows for rows in range(1, batch + 1))])

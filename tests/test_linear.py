@@ -238,3 +238,23 @@ def test_chunked_calls_never_take_one_row_or_more_than_the_chunk(monkeypatch):
         calls.clear()
         out = linear(torch.randn(rows, 64).bfloat16(), weight, backend="onednn", packed=packed)
         assert out.shape == (rows, 48) and calls == want, (rows, calls)
+
+
+def test_a_one_row_float32_call_runs_on_the_plain_copy_of_a_packed_matrix():
+    """A packed float32 matrix with its plain values kept (`PackedWeights.keep_plain`) takes one-row calls as a gemv
+    on them; more rows, and a packed matrix without a plain copy, run on oneDNN; all give F.linear's values."""
+    if not onednn_available():
+        pytest.skip("this PyTorch build has no oneDNN linear layer")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=generator)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PackedWeights.ROWS_HINT)
+    weights = PackedWeights()
+    assert weights.plain_of(packed) is None
+    weights.keep_plain(packed, weight)
+    assert weights.plain_of(packed) is weight
+    one, many = torch.randn(1, 32, generator=generator), torch.randn(5, 32, generator=generator)
+    assert torch.equal(linear(one, packed, backend="onednn", packed=weights), torch.mv(weight, one[0])[None])
+    torch.testing.assert_close(linear(many, packed, backend="onednn", packed=weights), F.linear(many, weight))
+    torch.testing.assert_close(linear(one, packed, backend="onednn"), F.linear(one, weight))
+    weights.clear()
+    assert weights.plain_of(packed) is None

@@ -28,8 +28,8 @@ context, MKL -> oneDNN packed, ms:
 MKL's small-row products on that CPU cost twice its one-row gemv, so a speculative verification of five rows cost
 2.2 decode steps; on oneDNN it costs 1.16, for a single decoding row 7 % more. So `auto` sends float32 to oneDNN on
 both vendors (MKL where the CPU is unknown: PyTorch's default), and a small float32 model keeps its matrices plain
-too for one-row calls, which run as MKL's gemv (`PackedWeights.GEMV_COPY_BYTES`). bfloat16 models go to oneDNN on packed weights
-everywhere: on a Xeon with AMX (2 threads) its packed kernel multiplies
+too for one-row calls, which run as MKL's gemv (`PackedWeights.GEMV_COPY_BYTES`). bfloat16 models go to oneDNN on
+packed weights everywhere: on a Xeon with AMX (2 threads) its packed kernel multiplies
 16 rows by the 1.5B target's 17920 x 1536 gate/up matrix in 1.35 ms where PyTorch's bfloat16 matmul (which
 reorders the weight on every call) takes 2.34, and a batch-invariant target can give it up to 32 rows per call
 (`invariant_chunk_rows`): 64 rows in 2 calls instead of 4 padded 16-row blocks. The choice
