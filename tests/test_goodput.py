@@ -256,7 +256,7 @@ def test_a_short_burst_of_drafting_after_an_exploration_does_not_reset_the_wait(
         out = []
         for _ in chosen:
             goodput._best = None  # as after a step that drafted (survival seen)
-            out.append(int(goodput.draft_lengths((0,), np.zeros(2), np.ones(5)).max()))
+            out.append(int(goodput.draft_lengths((0,), np.array([0.0, 10.0]), np.ones(5)).max()))  # far from paying
         return out
 
     assert steps([0] * wait) == [0] * (wait - 1) + [1]  # the first exploration after `wait` plain steps
@@ -292,6 +292,19 @@ def test_goodput_drafts_the_cap_first_then_explores_ever_more_rarely():
     lengths = [int(goodput.draft_lengths(requests, *costs).max()) for _ in range(3 * wait + 1)]
     # One draft after `wait` plain steps, then after twice as many while drafting keeps not paying.
     assert lengths == [0] * (wait - 1) + [1] + [0] * (2 * wait - 1) + [1] + [0]
+
+
+def test_explorations_stay_frequent_while_drafting_is_near_paying():
+    """One draft per request predicted within `Goodput.near` of plain decoding's rate: the wait between explorations
+    does not double (far from paying, it does: the test above)."""
+    goodput = Goodput(max_draft=5)
+    requests = (0, 1)
+    goodput.survival(np.log(np.full((2, 5), 0.3)), requests)
+    passes = np.array([0.0, 0.02, 0.02])
+    target = np.array([1.0, 1.2, 1.25] + [1.3] * 8)  # by C: one draft per request is 0.98 of plain decoding
+    wait = Goodput.explore_after
+    lengths = [int(goodput.draft_lengths(requests, passes, target).max()) for _ in range(3 * wait)]
+    assert lengths == ([0] * (wait - 1) + [1]) * 3
 
 
 def test_an_exploration_verifies_its_drafts():

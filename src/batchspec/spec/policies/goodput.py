@@ -129,6 +129,8 @@ def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.n
     best_rate = batch / float(target[0]) if not done else 0.0  # drafting started: K' = done below stops it
     if rates[best] > best_rate:
         lengths, best_rate = np.bincount(order[:best + 1] // width, minlength=batch), float(rates[best])
+    if batch == 1:  # one request: every plan of one K' is a prefix above, drafted at least as long
+        return lengths
     prefix = np.concatenate([np.zeros((batch, 1)), np.cumsum(expected, axis=1)], axis=1)  # (B, K + 1)
     for k_prime in range(max(done, 1), width + 1):
         times = spent + (k_prime - done) * passes[batch] + target
@@ -150,6 +152,7 @@ class Goodput:
 
     explore_after = 8  # plain decoding steps before one draft is tried again (acceptance may have risen);
     explore_most = 64  # the wait doubles up to this while drafting keeps not paying
+    near = 0.9  # ... unless one draft per request is predicted at least this fraction of plain decoding's rate
 
     def __init__(self, max_draft: int, decay: float = 0.8) -> None:
         self.max_draft = max_draft
@@ -312,6 +315,11 @@ class Goodput:
         self._plain_steps, self._drafting_steps = self._plain_steps + 1, 0
         if self._plain_steps < self._wait:
             return lengths
-        self._plain_steps, self._wait = 0, min(2 * self._wait, self.explore_most)
+        # The wait doubles while one draft per request is predicted far from paying; near it (within `near` of
+        # plain decoding's rate), exploring costs little and may well pay, so the wait stays short.
+        batch = len(requests)
+        one_each = (batch + float(self._own_rows(requests)[:, 0].sum())) / (passes[batch] + target[batch])
+        near = one_each >= self.near * batch / target[0]
+        self._plain_steps, self._wait = 0, self.explore_after if near else min(2 * self._wait, self.explore_most)
         self.exploring = True
-        return np.ones(len(requests), dtype=np.int64)
+        return np.ones(batch, dtype=np.int64)
