@@ -279,12 +279,11 @@ class Goodput:
             return drafting
         done = logprobs.shape[1]
         survival = self.estimate(logprobs)  # (B, j), 0 past the end of a request that stopped
-        made = logprobs > -np.inf
+        made = np.count_nonzero(logprobs > -np.inf, axis=1)  # (B,) drafts each request made
         # Continued past its drafts while drafting; a request that stopped drafts nothing more.
         expected = self._continued(survival)  # (B, max_draft)
-        expected[np.arange(self.max_draft) >= np.where(drafting, self.max_draft, made.sum(axis=1))[:, None]] = 0.0
-        spent = float(passes[np.count_nonzero(made, axis=0)].sum())
-        lengths = goodput_draft_lengths(expected, passes, target, pad_s, done, spent)
+        expected[np.arange(self.max_draft) >= np.where(drafting, self.max_draft, made)[:, None]] = 0.0
+        lengths = goodput_draft_lengths(expected, passes, target, pad_s, done, drafting_time(made, passes))
         return drafting & (lengths > done)
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
