@@ -112,6 +112,34 @@ def test_a_model_packs_every_matrix_up_front_and_keeps_one_copy(tiny_model_facto
                                              tokens).logits, before, atol=1e-4, rtol=1e-4)
 
 
+def test_packing_frees_each_layers_unpacked_matrices_before_the_next(tiny_model_factory, monkeypatch):
+    """While packing, no more than one layer's unpacked matrices are alive beside the packed ones (a list of them
+    kept until the end had the 1.5B target's float32 load peak at 12.8 GiB instead of 7.9)."""
+    import gc
+    import weakref
+
+    from batchspec.runtime.layer_weights import LayerWeights
+    from batchspec.weights.loading import load_transformer
+
+    model = load_transformer(tiny_model_factory())
+    model.linear_backend = "onednn"
+    monkeypatch.setattr(PackedWeights, "GEMV_COPY_BYTES", 0)  # as for a large model: no plain copies kept
+    originals = [[weakref.ref(getattr(layer, name)) for name in layer.MATRICES] for layer in model.layers]
+    alive_before = []
+    map_matrices = LayerWeights.map_matrices
+
+    def counting(self, fn):
+        gc.collect()
+        alive_before.append(sum(ref() is not None for refs in originals for ref in refs))
+        return map_matrices(self, fn)
+
+    monkeypatch.setattr(LayerWeights, "map_matrices", counting)
+    model.pack_weights()
+    per_layer = len(LayerWeights.MATRICES)
+    # Packing layer i: its own matrices and those of the layers after it, and none of the earlier layers'.
+    assert alive_before == [per_layer * (len(originals) - i) for i in range(len(originals))]
+
+
 def test_an_untied_head_is_packed_in_place_and_can_still_be_restricted(tiny_model_factory):
     from batchspec.runtime.linear import dense
     from batchspec.weights.loading import load_transformer
