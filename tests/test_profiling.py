@@ -46,8 +46,8 @@ def test_a_row_time_slowed_by_a_busy_machine_is_timed_again(monkeypatch):
     process held the cores) is timed again, and what stays non-monotone is cut to the later points' minimum."""
     calls: dict[int, int] = {}
 
-    def timed(model, batch, tokens_each, repeats=2):
-        rows = batch * tokens_each
+    def timed(model, appends, repeats=2):
+        rows = sum(appends)
         calls[rows] = calls.get(rows, 0) + 1
         if rows == 2 and calls[rows] == 1:
             return 5.0  # busy the first time only
@@ -55,11 +55,27 @@ def test_a_row_time_slowed_by_a_busy_machine_is_timed_again(monkeypatch):
             return 1.5  # always above the 4-row point: noise that timing again does not remove
         return 1.0 + 0.01 * rows
 
-    monkeypatch.setattr(profiling, "_time_forward", timed)
+    monkeypatch.setattr(profiling, "_time_ragged", timed)
     table = profiling.profile_row_times(None, max_batch=4, max_rows=4)
     assert table.rows == (1, 2, 3, 4)
     assert table.seconds == (1.01, 1.02, 1.04, 1.04)
     assert calls == {1: 1, 2: 2, 3: 1 + profiling.RETIMES, 4: 1}
+
+
+def test_each_row_point_is_timed_at_exactly_its_rows(monkeypatch):
+    """A staircase that steps up after 32 rows: the point just past it (33) is timed at 33 rows (spread 9, 8, 8, 8
+    over 4 requests), not rounded up to 36, so the table does not interpolate across the step."""
+    timed: list[list[int]] = []
+
+    def ragged(model, appends, repeats=2):
+        timed.append(list(appends))
+        return 0.2 if sum(appends) <= 32 else 0.35
+
+    monkeypatch.setattr(profiling, "_time_ragged", ragged)
+    table = profiling.profile_row_times(None, max_batch=4, max_rows=36)
+    assert [9, 8, 8, 8] in timed and 33 in table.rows
+    assert all(sum(appends) in table.rows for appends in timed)
+    assert float(table(32)) == 0.2 and float(table(33)) == 0.35
 
 
 def test_the_target_profile_prices_padded_attention_rows(tmp_path, monkeypatch, tiny_model_factory):

@@ -125,8 +125,8 @@ class StepCost:
 
 
 # 2: row times re-timed where a busy machine slowed them, and non-decreasing (`profile_row_times`); 3: the target's
-# padded attention rows (`profile_pad_time`).
-PROFILE_VERSION = 3
+# padded attention rows (`profile_pad_time`); 4: each grid point timed at exactly its rows (`profile_row_times`).
+PROFILE_VERSION = 4
 
 # Forwards are timed after this many tokens of context: a chat prompt and part of its answer (HumanEval's chat prompts
 # run 100-250 tokens, answers 128-256), where attention's share of a step is what a served request sees.
@@ -244,11 +244,16 @@ def profile_row_times(target: Transformer, max_batch: int, max_rows: int, pad: b
     A forward over fewer rows never costs more than one over more (the kernels pad rows into blocks), so a point
     timed above a later one by more than noise was slowed by something else on the machine: it is timed again (a
     profile taken while another benchmark ran once priced a 1-row target pass at 1.6 s and a 16-row one at 0.42 s, and
-    every goodput choice of that cache's later runs followed it), and the table kept is non-decreasing."""
+    every goodput choice of that cache's later runs followed it), and the table kept is non-decreasing.
+
+    Each point is timed at exactly its rows, spread as evenly as they go over the requests: rounded up to a multiple
+    of the requests, the point just past a block boundary was lost and the table interpolated across the step up
+    (the Qwen 1.5B target at batch 4: 33 rows timed as 36, so 33 was priced 252 ms where it takes 372, 32 taking 214).
+    """
     def time_rows(rows: int) -> tuple[int, float]:
         requests = min(rows, max_batch)
-        each = -(-rows // requests)  # ceil
-        return requests * each, _time_forward(target, requests, each)
+        appends = [rows // requests + (i < rows % requests) for i in range(requests)]
+        return rows, _time_ragged(target, appends)
 
     points = dict(time_rows(rows) for rows in row_grid(max_rows))
     for _ in range(RETIMES):
