@@ -123,7 +123,7 @@ class Transformer:
             return
 
         # Counted without a list of the matrices: one kept until packing ends would hold every unpacked matrix beside
-        # the packed ones (the 1.5B target in float32: 12.8 GiB peak instead of 7.1).
+        # the packed ones (the 1.5B target in float32: 12.8 GiB peak instead of 7.9).
         elements = self.lm_head.numel() + sum(getattr(layer, name).numel() for layer in self.layers
                                               for name in LayerWeights.MATRICES)
         keep_plain = self.dtype == torch.float32 and 4 * elements <= PackedWeights.GEMV_COPY_BYTES

@@ -79,7 +79,8 @@ class RowTimeTable:
     rows: tuple[int, ...]  # increasing
     seconds: tuple[float, ...]
     # Seconds per attention query row padded: a forward whose requests append different numbers of tokens pads each
-    # to the most (`runtime.attention`), and the rows above are timed without padding (0: not profiled).
+    # to the most (`runtime.attention`), and the rows above are timed with at most one padded query row per request
+    # (where the rows are not a multiple of the requests). 0: not profiled.
     pad_s: float = 0.0
 
     def __post_init__(self) -> None:  # arrays once: the table is read at every step (selection overhead)
