@@ -190,10 +190,17 @@ def test_a_plan_made_while_drafting_prices_only_the_passes_to_come(batch, width,
     done = int(rng.integers(1, width))
     spent = done * float(passes[batch])
 
-    def rate(lengths: np.ndarray) -> float:  # verify every planned draft; passes past `done` priced
+    def rate(lengths: np.ndarray) -> float:
+        """Verify every planned draft, passes past `done` priced; one K' for all may verify only the goodput-best C
+        of its drafts instead (`goodput_draft_lengths`' second family)."""
         more = np.maximum(lengths - done, 0)
         gained = sum(expected[i, :n].sum() for i, n in enumerate(lengths))
-        return (batch + gained) / (spent + drafting_time(more, passes) + target[int(lengths.sum())])
+        every = (batch + gained) / (spent + drafting_time(more, passes) + target[int(lengths.sum())])
+        if lengths.min() == lengths.max() > done:
+            k_prime = int(lengths[0])
+            return max(every, float(capacity_rates(expected[:, :k_prime],
+                                                   spent + (k_prime - done) * passes[batch] + target).max()))
+        return every
 
     lengths = goodput_draft_lengths(expected, passes, target, done=done, spent=spent)
     stop_now = float(capacity_rates(expected[:, :done], spent + target).max())
