@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from batchspec.errors import BatchspecError
 import batchspec.runtime.linear as linear_module
 from batchspec.runtime.linear import (BACKENDS, ENV_VAR, ONEDNN_CHUNK_ROWS, PackedWeights, choose_backend, default_backend,
-                                      invariant_chunk_rows, linear, onednn_available, onednn_bf16_available)
+                                      invariant_chunk_rows, linear, onednn_available, onednn_bf16_available,
+                                      onednn_int8_available)
 
 
 def test_auto_takes_onednn_on_amd_and_intel_where_the_build_has_it():
@@ -194,11 +195,14 @@ def test_quantizing_in_row_chunks_gives_the_same_weights(monkeypatch, precision)
     assert torch.equal(chunked.dequantize(), whole.dequantize())
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(linear(x, chunked), linear(x, whole))
-    if precision == "int4" and onednn_bf16_available():  # the bfloat16 copy for calls of many rows, too
+    if precision == "int4" and onednn_int8_available():  # the int8 copy for calls of many rows, too
         monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 8192)
         whole = kind.quantize(weight, wide=True)
         monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 32)
-        assert torch.equal(kind.quantize(weight, wide=True).wide.to_dense(), whole.wide.to_dense())
+        chunked = kind.quantize(weight, wide=True)
+        assert torch.equal(chunked.wide.scales, whole.wide.scales)
+        many = torch.randn(linear_module.Int4Weight.WIDE_ROWS + 3, 64).bfloat16()
+        assert torch.equal(linear(many, chunked), linear(many, whole))
 
 
 def test_int8_weights_multiply_as_their_dequantised_values_and_rows_stay_independent():

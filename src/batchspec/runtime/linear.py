@@ -69,6 +69,16 @@ def onednn_bf16_available() -> bool:
     return onednn_available() and any(needed <= flags for needed in ONEDNN_BF16_FLAGS)
 
 
+ONEDNN_INT8_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})  # int8 dot products in hardware
+
+
+def onednn_int8_available() -> bool:
+    """Whether oneDNN can multiply int8 matrices here at speed (`Int8Dynamic`): its int8 linear op exists in this
+    build and the CPU has VNNI or AMX int8 dot products."""
+    return onednn_available() and hasattr(torch.ops.onednn, "qlinear_pointwise") \
+        and bool(ONEDNN_INT8_FLAGS & cpu_flags())
+
+
 def choose_backend(choice: str, vendor: str, onednn: bool, bfloat16: bool = False, bf16_layout: bool = True) -> str:
     """`auto` -> oneDNN where the build has it for bfloat16 models (where the CPU can lay their weights out:
     `bf16_layout`) and for float32 on AMD and Intel CPUs, else MKL; a named backend as named.
@@ -144,14 +154,50 @@ class Int8Weight:
 
 
 @dataclass(frozen=True)
+class Int8Dynamic:
+    """A matrix in int8 (symmetric, one scale per output channel) multiplied by oneDNN's int8 kernel, the
+    activations quantized to int8 on every call with one scale for the whole call: an int4 draft's copy for calls of
+    many rows (`Int4Weight.wide`).
+
+    The activation scale depends on every row of the call, so a row's result depends on its neighbours: fit for a
+    draft only, which proposes and whose rounding never reaches an output (a target must stay batch-invariant,
+    `Int8Weight`). Measured here (Xeon with AMX-INT8, 2 threads; the 0.5B draft's 24 layers of matrices, ms per pass):
+    32 at 6 or 8 rows, 34 at 16, 52 at 64 and 123 at 256, against 42 / 43 / 50 / 62 / 107 for the bfloat16 copy it
+    replaced, with half its bytes; on the Qwen pair at batch 8 (`sd`, HumanEval) the draft's proposals were
+    accepted as often as with that copy (VSR 0.968 both).
+    """
+
+    packed: torch.Tensor  # oneDNN's int8 layout of the (out, in) values
+    scales: torch.Tensor  # (out,) float32: weight ~ values * scales[:, None]
+    zeros: torch.Tensor  # (out,) int64 zeros: the kernel's weight zero points (symmetric)
+    shape: torch.Size  # (out, in)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Dynamic:
+        parts = [Int8Weight._quantize_rows(rows) for rows in weight.split(QUANTIZE_ROWS)]
+        values = torch.cat([values for values, _ in parts])
+        scales = torch.cat([scales for _, scales in parts]).float()
+        packed = torch.ops.onednn.qlinear_prepack(values, None)
+        return cls(packed, scales, torch.zeros(weight.shape[0], dtype=torch.int64), torch.Size(weight.shape))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, in) bfloat16 -> (N, out) bfloat16."""
+        scale = x.abs().amax().float().clamp(min=1e-12) / 127
+        quantized = torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8)
+        return torch.ops.onednn.qlinear_pointwise(quantized, float(scale), 0, self.packed, self.scales, self.zeros,
+                                                  None, 1.0, 0, torch.bfloat16, "none", [], "")
+
+
+@dataclass(frozen=True)
 class Int4Weight:
     """A matrix in weight-only int4 with bfloat16 activations: asymmetric, one (scale, zero) per group of `GROUP`
     input columns, multiplied by `torch._weight_int4pack_mm_for_cpu`. A draft's option (`--draft-dtype int4`): the
     draft only proposes, so its rounding never reaches an output, and at one row it streams a quarter of
     bfloat16's bytes. Measured here (Xeon, AMX, 2 threads; the 0.5B draft's 24 layers of matrices): 12.2 ms per
     pass at one row vs 35 ms for bfloat16's gemv, 20.8 vs 34.7 at four rows, 71 vs 34 at sixteen, so it pays for a
-    few rows only; a draft loaded in int4 keeps a bfloat16 copy for calls of more rows (`wide`). The Qwen drafts
-    ship as Q4_K (4-bit values with a scale and offset per 32 columns), which this layout holds nearly exactly.
+    few rows only; a draft loaded in int4 keeps an int8 copy for calls of more rows (`wide`, `Int8Dynamic`). The
+    Qwen drafts ship as Q4_K (4-bit values with a scale and offset per 32 columns), which this layout holds nearly
+    exactly.
 
     w ~ (q - 8) * scale + zero for q in [0, 15], per group (torch's int4 convention).
     """
@@ -159,35 +205,36 @@ class Int4Weight:
     packed: torch.Tensor  # (out, in / 2) uint8, two 4-bit values per byte, as torch's CPU kernel wants them
     scales_zeros: torch.Tensor  # (in / GROUP, out, 2) bfloat16
     shape: torch.Size  # (out, in)
-    wide: torch.Tensor | None = None  # the same values in bfloat16, packed for oneDNN: calls of WIDE_ROWS+ rows
+    wide: Int8Dynamic | None = None  # the matrix in int8 for oneDNN: calls of `wide_rows` rows or more
+    wide_rows: int = 5  # WIDE_ROWS, or HEAD_WIDE_ROWS for an LM head
 
     GROUP = 32
-    # The int4 kernel's cost grows with every row (the 0.5B draft, whole forward: 28 ms at 1 row, 40 at 4, 66 at
-    # 6, 126 at 16, 1.79 s for a 256-token prefill), bfloat16's stays near one weight pass up to 32 rows (60 ms at 6,
-    # 0.58 s for the prefill). From this many rows on a call goes to the bfloat16 copy (`quantize(wide=True)`).
-    WIDE_ROWS = 6
+    # The int4 kernel's cost grows with every row; the int8 copy's stays near one pass over its weights up to ~64
+    # rows. The 0.5B draft's whole forward (decoding, 256 tokens of context, ms): int4 34 / 38 / 40 / 46 / 70 / 78
+    # at 1 / 2 / 3 / 4 / 5 / 6 rows, 80 at 16; on the int8 copy 43 / 51 / 55 / 53 / 56 / 57, 67 at 16 (the
+    # bfloat16 copy it replaced: ~75 from 6 to 16 rows). From this many rows on a call goes to the int8 copy.
+    WIDE_ROWS = 5
+    # An LM head's products change over sooner: the draft's 151936 x 896 head (ms, int4 / int8) 4.6 / 4.6 at one
+    # row, 5.6 / 6.8 at two, 7.0 / 5.4 at three, 7.6 / 5.2 at four, 16.1 / 5.3 at five.
+    HEAD_WIDE_ROWS = 3
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, wide: bool = False) -> Int4Weight:
-        """wide: also keep the quantized values in bfloat16 on oneDNN's packed layout (half the bytes of the
-        bfloat16 model again) for calls of `WIDE_ROWS` or more rows, so one model runs at every row count."""
+    def quantize(cls, weight: torch.Tensor, wide: bool = False, wide_rows: int = WIDE_ROWS) -> Int4Weight:
+        """wide: also keep the matrix in int8 (`Int8Dynamic`, half of bfloat16's bytes) for calls of `wide_rows`
+        or more rows, so one model runs fast at every row count."""
         in_features = weight.shape[1]
         if in_features % cls.GROUP:
             raise BatchspecError(f"int4 weights need input sizes divisible by {cls.GROUP}, got {in_features}")
-        parts = [cls._quantize_rows(rows, wide) for rows in weight.split(QUANTIZE_ROWS)]
-        packed = torch.cat([packed for packed, _, _ in parts])
-        scales_zeros = torch.cat([scales_zeros for _, scales_zeros, _ in parts], dim=1)
-        copy = None
-        if wide:
-            values = torch.cat([values for _, _, values in parts])
-            copy = torch.ops.mkldnn._reorder_linear_weight(values, PackedWeights.ROWS_HINT)
-        return cls(packed, scales_zeros, torch.Size(weight.shape), copy)
+        parts = [cls._quantize_rows(rows) for rows in weight.split(QUANTIZE_ROWS)]
+        packed = torch.cat([packed for packed, _ in parts])
+        scales_zeros = torch.cat([scales_zeros for _, scales_zeros in parts], dim=1)
+        return cls(packed, scales_zeros, torch.Size(weight.shape), Int8Dynamic.quantize(weight) if wide else None,
+                   wide_rows)
 
     @classmethod
-    def _quantize_rows(cls, weight: torch.Tensor,
-                       wide: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Some rows -> their packed values (rows, in / 2), scales and zeros (in / GROUP, rows, 2) and, if `wide`,
-        the quantized values in bfloat16 (rows, in). Rows are independent here and in the packed layout."""
+    def _quantize_rows(cls, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Some rows -> their packed values (rows, in / 2) and scales and zeros (in / GROUP, rows, 2). Rows are
+        independent here and in the packed layout."""
         out_features, in_features = weight.shape
         groups = weight.float().reshape(out_features, in_features // cls.GROUP, cls.GROUP)
         low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
@@ -196,10 +243,7 @@ class Int4Weight:
         zero = (low + 8 * scale).to(torch.bfloat16)  # q = 8 maps to `zero`
         packed = torch._convert_weight_to_int4pack_for_cpu(values.to(torch.int32).reshape(weight.shape), 2)
         scales_zeros = torch.stack([scale.to(torch.bfloat16)[..., 0].t(), zero[..., 0].t()], dim=-1)
-        wide_values = None
-        if wide:  # (q - 8) * scale + zero
-            wide_values = (values * scale + low).reshape(weight.shape).to(torch.bfloat16)
-        return packed, scales_zeros, wide_values
+        return packed, scales_zeros
 
     def dequantize(self) -> torch.Tensor:
         identity = torch.eye(self.shape[1], dtype=torch.bfloat16)
@@ -371,8 +415,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         out = torch._weight_int8pack_mm(x.contiguous(), weight.values, weight.scales)
         return out if bias is None else out + bias
     if isinstance(weight, Int4Weight):
-        if weight.wide is not None and x.shape[0] >= Int4Weight.WIDE_ROWS:
-            return _onednn(x, weight.wide, bias)
+        if weight.wide is not None and x.shape[0] >= weight.wide_rows:
+            out = weight.wide(x)
+            return out if bias is None else out + bias
         out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, Int4Weight.GROUP, weight.scales_zeros)
         return out if bias is None else out + bias
     if x.is_cuda:

@@ -150,7 +150,7 @@ class Transformer:
     def quantize_weights(self, precision: str, wide: bool = False) -> None:
         """Weight-only `int8` (`linear.Int8Weight`) or `int4` (`linear.Int4Weight`) for every layer matrix and the
         LM head. The model must be in bfloat16, which its activations, norms, embedding and KV cache stay in;
-        restrict the head first. wide (int4): keep a bfloat16 copy of the quantized values for many-row calls."""
+        restrict the head first. wide (int4): keep an int8 copy for calls of many rows (`Int4Weight.wide`)."""
         kinds = {"int8": Int8Weight, "int4": Int4Weight}
         if precision not in kinds:
             raise BatchspecError(f"unknown weight-only precision {precision!r}; use int8 or int4")
@@ -161,7 +161,9 @@ class Transformer:
             else kinds[precision].quantize
         self._map_layer_matrices(quantize)
         self.packed_weights.clear()
-        self.lm_head = quantize(self.lm_head)
+        wide_head = wide and precision == "int4"
+        self.lm_head = quantize(self.lm_head, wide_rows=Int4Weight.HEAD_WIDE_ROWS) if wide_head \
+            else quantize(self.lm_head)
         if self.head_ids is None and self.full_head is not self.embed:  # an untied head: keep one copy
             self.full_head = self.lm_head
 
