@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from batchspec.bench.run import BenchConfig, format_table, load_dataset, run_bench, write_results
+from batchspec.bench.run import BenchConfig, format_table, load_dataset, run_bench, trial_order, write_results
 from batchspec.errors import BatchspecError
 from batchspec.spec.config import SpecConfig
 from batchspec.weights.loading import load_model
@@ -131,6 +131,15 @@ def test_baselines_run_in_every_trial(tmp_path, tiny_model_factory):
     assert baseline_ratios(results) == (f"best batchspec policy vs each baseline at the same batch size: "
                                         f"ar/hf_generate = {ar / speeds[1]:.2f}x (batch 2)")
     assert (tmp_path / "out" / "plots" / "throughput.png") in write_results(results, tmp_path / "out")
+
+
+def test_trials_rotate_the_order_of_the_policies():
+    policies = ["ar", "sd", "dsd", "tetris"]
+    orders = [trial_order(policies, trial) for trial in range(5)]
+    assert orders[0] == policies and orders[1] == ["sd", "dsd", "tetris", "ar"] and orders[4] == policies
+    for position in range(4):  # over four trials each policy runs once in every position
+        assert sorted(order[position] for order in orders[:4]) == sorted(policies)
+    assert trial_order([], 3) == []
 
 
 def test_llama_cpp_baseline_left_out_with_a_note(tmp_path, tiny_model_factory):

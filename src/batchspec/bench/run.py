@@ -1,6 +1,7 @@
 """`batchspec bench`: policies side by side on the same prompts and seeds, interleaved, written as data.
 
-Each trial runs every policy once on the same prompts (so machine noise hits all alike), after an untimed warm-up.
+Each trial runs every policy once on the same prompts (so machine noise hits all alike), after an untimed warm-up,
+in an order rotated by one per trial (`trial_order`).
 `sweep` repeats that for every combination of batch size, k, extra and capacity values. Prompts too long for the
 context are skipped and counted. Transformers baselines (`baselines.py`) run on the same prompts in every trial, after
 that trial's policies (at the first sweep point), so their ratios to the policies see the same stretch of the host.
@@ -197,6 +198,15 @@ def prepare_prompts(config: BenchConfig, target: LoadedModel,
     return kept, limits, kinds, skipped
 
 
+def trial_order(policies: list[str], trial: int) -> list[str]:
+    """The order the policies run in at `trial`: rotated by one per trial, so that over as many trials as policies
+    each runs once in every position. Position matters on a shared host: in one process (Qwen pair, batch 8, the same
+    prompts) dsd then tetris measured 55.76 / 52.90 tokens/s, tetris then dsd 54.42 / 53.30 — the later run lost
+    2-5 % either way (its prompts' identical prefill took 6-18 % longer), so a fixed order biases every ratio."""
+    shift = trial % len(policies) if policies else 0
+    return policies[shift:] + policies[:shift]
+
+
 def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | None,
               progress: bool = False, log=None) -> dict:
     """log: called with one line per finished run and baseline (for output that goes to a file)."""
@@ -228,7 +238,8 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
         for engine in engines.values():  # untimed warm-up (and dsd's step-time profiling)
             engine.generate(prompts[:2], replace(params[0], max_tokens=8), chat=config.chat)
         for trial in range(config.trials):
-            for policy, engine in engines.items():
+            for policy in trial_order(list(engines), trial):
+                engine = engines[policy]
                 traced = recorder is not None and (index, trial) == (0, 0) and policy == trace_policy(config.policies)
                 result = engine.generate(prompts, params, chat=config.chat, progress=progress,
                                          trace=recorder if traced else None)
