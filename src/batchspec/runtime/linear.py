@@ -163,8 +163,8 @@ class Int8Dynamic:
     draft only, which proposes and whose rounding never reaches an output (a target must stay batch-invariant,
     `Int8Weight`). Measured here (Xeon with AMX-INT8, 2 threads; the 0.5B draft's 24 layers of matrices, ms per pass):
     32 at 6 or 8 rows, 34 at 16, 52 at 64 and 123 at 256, against 42 / 43 / 50 / 62 / 107 for the bfloat16 copy it
-    replaced, with half its bytes; on the Qwen pair at batch 8 (`sd`, HumanEval) the draft's proposals were
-    accepted as often as with that copy (VSR 0.968 both).
+    replaced, with half its bytes. Quantized from the draft's own weights (that copy held their int4 rounding), its
+    proposals were accepted more often on the Qwen pair (`sd`, batch 8, HumanEval: VSR 0.982 against 0.968).
     """
 
     packed: torch.Tensor  # oneDNN's int8 layout of the (out, in) values
@@ -210,9 +210,11 @@ class Int4Weight:
 
     GROUP = 32
     # The int4 kernel's cost grows with every row; the int8 copy's stays near one pass over its weights up to ~64
-    # rows. The 0.5B draft's whole forward (decoding, 256 tokens of context, ms): int4 34 / 38 / 40 / 46 / 70 / 78
-    # at 1 / 2 / 3 / 4 / 5 / 6 rows, 80 at 16; on the int8 copy 43 / 51 / 55 / 53 / 56 / 57, 67 at 16 (the
-    # bfloat16 copy it replaced: ~75 from 6 to 16 rows). From this many rows on a call goes to the int8 copy.
+    # rows. The 0.5B draft's whole forward (decoding, 256 tokens of context, ms, one run): the int4 kernel 34 / 38 /
+    # 40 / 46 / 70 at 1 / 2 / 3 / 4 / 5 rows (the bfloat16 copy it had from 6 rows: 72-80 up to 16); int8 for every
+    # matrix at every row count 43 / 51 / 55 / 53 / 56, 57-67 from 6 to 16. With this threshold (and the head's):
+    # 25 / 29 / 33 / 36 / 44 at 1-5 rows, 44.5 at 8, 54 at 16 (another run). From this many rows on a call goes to
+    # the int8 copy.
     WIDE_ROWS = 5
     # An LM head's products change over sooner: the draft's 151936 x 896 head (ms, int4 / int8) 4.6 / 4.6 at one
     # row, 5.6 / 6.8 at two, 7.0 / 5.4 at three, 7.6 / 5.2 at four, 16.1 / 5.3 at five.
