@@ -202,13 +202,6 @@ class Int4Weight:
     w ~ (q - 8) * scale + zero for q in [0, 15], per group (torch's int4 convention).
     """
 
-    packed: torch.Tensor  # (out, in / 2) uint8, two 4-bit values per byte, as torch's CPU kernel wants them
-    scales_zeros: torch.Tensor  # (in / GROUP, out, 2) bfloat16
-    shape: torch.Size  # (out, in)
-    wide: Int8Dynamic | None = None  # the matrix in int8 for oneDNN: calls of `wide_rows` rows or more
-    wide_rows: int = 5  # WIDE_ROWS, or HEAD_WIDE_ROWS for an LM head
-
-    GROUP = 32
     # The int4 kernel's cost grows with every row; the int8 copy's stays near one pass over its weights up to ~64
     # rows. The 0.5B draft's whole forward (decoding, 256 tokens of context, ms, one run): the int4 kernel 34 / 38 /
     # 40 / 46 / 70 at 1 / 2 / 3 / 4 / 5 rows (the bfloat16 copy it had from 6 rows: 72-80 up to 16); int8 for every
@@ -219,6 +212,14 @@ class Int4Weight:
     # An LM head's products change over sooner: the draft's 151936 x 896 head (ms, int4 / int8) 4.6 / 4.6 at one
     # row, 5.6 / 6.8 at two, 7.0 / 5.4 at three, 7.6 / 5.2 at four, 16.1 / 5.3 at five.
     HEAD_WIDE_ROWS = 3
+
+    packed: torch.Tensor  # (out, in / 2) uint8, two 4-bit values per byte, as torch's CPU kernel wants them
+    scales_zeros: torch.Tensor  # (in / GROUP, out, 2) bfloat16
+    shape: torch.Size  # (out, in)
+    wide: Int8Dynamic | None = None  # the matrix in int8 for oneDNN: calls of `wide_rows` rows or more
+    wide_rows: int = WIDE_ROWS  # or HEAD_WIDE_ROWS for an LM head
+
+    GROUP = 32
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, wide: bool = False, wide_rows: int = WIDE_ROWS) -> Int4Weight:
@@ -419,8 +420,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     if isinstance(weight, Int4Weight):
         if weight.wide is not None and x.shape[0] >= weight.wide_rows:
             out = weight.wide(x)
-            return out if bias is None else out + bias
-        out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, Int4Weight.GROUP, weight.scales_zeros)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, Int4Weight.GROUP,
+                                                    weight.scales_zeros)
         return out if bias is None else out + bias
     if x.is_cuda:
         return _cuda(x, weight, bias, batch_invariant)
