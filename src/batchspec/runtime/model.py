@@ -157,12 +157,11 @@ class Transformer:
         check_precision_on(self.device, precision)
         if self.dtype != torch.bfloat16 or self.precision != "bfloat16":
             raise BatchspecError(f"{precision} weights need a bfloat16 model, this one is {self.precision}")
-        quantize = functools.partial(Int4Weight.quantize, wide=True) if wide and precision == "int4" \
-            else kinds[precision].quantize
+        int4_wide = wide and precision == "int4"
+        quantize = functools.partial(Int4Weight.quantize, wide=True) if int4_wide else kinds[precision].quantize
         self._map_layer_matrices(quantize)
         self.packed_weights.clear()
-        wide_head = wide and precision == "int4"
-        self.lm_head = quantize(self.lm_head, wide_rows=Int4Weight.HEAD_WIDE_ROWS) if wide_head \
+        self.lm_head = quantize(self.lm_head, wide_rows=Int4Weight.HEAD_WIDE_ROWS) if int4_wide \
             else quantize(self.lm_head)
         if self.head_ids is None and self.full_head is not self.embed:  # an untied head: keep one copy
             self.full_head = self.lm_head
