@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from batchspec.errors import BatchspecError
-from batchspec.runtime.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
+from batchspec.runtime.sampling import (SamplingParams, greedy_tokens, params_tensors, sample_with_uniforms,
+                                        token_probs)
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -56,3 +57,15 @@ def test_params_validation():
         with pytest.raises(BatchspecError):
             SamplingParams(**bad)
     assert SamplingParams(stop="###").stop == ("###",)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_take_the_first_maximum_like_argmax(dtype):
+    """Ties everywhere (small integer logits), rows of every width up to a vocabulary, strided rows too."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 2), (3, 17), (8, 1000), (32, 151936), (5, 49152)]:
+        logits = torch.randint(-4, 4, (rows, vocab), generator=generator).to(dtype)
+        first = (logits == logits.amax(-1, keepdim=True)).int().argmax(-1)  # a bool argmax: the first True
+        assert torch.equal(greedy_tokens(logits), first)
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+        assert torch.equal(greedy_tokens(logits[:, ::3]), logits[:, ::3].argmax(-1))

@@ -168,6 +168,8 @@ def test_int4_wide_copy_takes_calls_of_many_rows():
             + 64 * step_w * step_x / 4
         bound = per_term * 1.02 + exact.abs() / 128 + 1e-3  # 1.02: the scales themselves are rounded to bfloat16
         assert bool(((both - exact).abs() <= bound).all())
+    zeros = torch.zeros(Int4Weight.WIDE_ROWS, 64, dtype=torch.bfloat16)  # a call of zeros: no scale of 0
+    assert torch.equal(linear(zeros, wide, bias, "onednn"), bias.expand(Int4Weight.WIDE_ROWS, 96))
 
 
 def test_bfloat16_target_prefills_whole_prompts_alone(tiny_model_factory, monkeypatch):

@@ -35,7 +35,7 @@ from batchspec.engine.request import GenerationOutput, Request, commit_tokens, o
 from batchspec.engine.scheduler import PrefillChunk, ScheduledStep, Scheduler, StepOutput
 from batchspec.errors import BatchspecError
 from batchspec.runtime.precision import DEFAULT_TARGET_DTYPE
-from batchspec.runtime.sampling import SamplingParams, params_tensors, sample_with_uniforms, token_probs
+from batchspec.runtime.sampling import SamplingParams, greedy_tokens, params_tensors, sample_with_uniforms, token_probs
 from batchspec.runtime.threads import configure_threads
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import Policy, StepTime, make_policy, policy_class
@@ -305,7 +305,7 @@ class Engine:
         """logits (N, V), one row per request: sample the next token and append it."""
         params = [r.params for r in requests]
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits)
         else:
             probs = token_probs(logits.cpu(), *params_tensors(params))  # the draws are the host's
             uniforms = torch.cat([r.uniform() for r in requests])

@@ -181,10 +181,15 @@ class Int8Dynamic:
         return cls(packed, scales, torch.zeros(weight.shape[0], dtype=torch.int64), torch.Size(weight.shape))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (N, in) bfloat16 -> (N, out) bfloat16."""
-        scale = x.abs().amax().float().clamp(min=1e-12) / 127
-        quantized = torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8)
-        return torch.ops.onednn.qlinear_pointwise(quantized, float(scale), 0, self.packed, self.scales, self.zeros,
+        """x (N, in) bfloat16 -> (N, out) bfloat16.
+
+        The quantization is five small ops in place on one float32 copy (no clamp: |x| * 127 / amax rounds to at most
+        127): at 8 rows of a draft it costs ~20 us of a call's ~45-300 us, where a clamped version of the same
+        arithmetic took ~40 (3 ms of an 8-row pass of the 0.5B draft)."""
+        values = x.float()
+        scale = max(float(values.abs().max()), 1e-12) / 127
+        quantized = values.mul_(1 / scale).round_().to(torch.int8)
+        return torch.ops.onednn.qlinear_pointwise(quantized, scale, 0, self.packed, self.scales, self.zeros,
                                                   None, 1.0, 0, torch.bfloat16, "none", [], "")
 
 

@@ -40,6 +40,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row, the first index on ties: (N, V) -> (N,) int64.
+
+    `max(dim).indices` gives the same indices as `argmax` (both return the first maximal value; a test checks ties)
+    about 3x faster on the CPU (32 x 151936 float32: 1.3 vs 3.9 ms; a target step's greedy tokens at batch 8).
+    `ar` and speculative verification both take their tokens here, so ties resolve alike."""
+    return logits.max(dim=-1).indices
+
+
 def token_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor) -> torch.Tensor:
     """Distributions after temperature, top-k and top-p, row by row.
@@ -65,7 +74,7 @@ def token_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         scaled = scaled.masked_fill(scaled < cutoff, float("-inf"))
     probs = scaled.softmax(dim=-1)
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, greedy_tokens(logits)[:, None], 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
 

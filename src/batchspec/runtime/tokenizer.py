@@ -10,6 +10,7 @@ assistant turn. Special tokens come only from the chat template itself (`encode_
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -162,6 +163,7 @@ def _text_only_tokenizer(path: Path) -> HFTokenizer:
     return tokenizer
 
 
+@functools.lru_cache(maxsize=8)  # compiling takes ~23 ms, as long as tokenising a prompt; rendering is thread-safe
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str):
         raise jinja2.TemplateError(message)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from batchspec.runtime.kv_cache import KVCache
 from batchspec.runtime.model import Transformer
-from batchspec.runtime.sampling import sample_with_uniforms, token_probs
+from batchspec.runtime.sampling import greedy_tokens, sample_with_uniforms, token_probs
 from batchspec.spec.verifier import DraftScorer
 
 
@@ -87,7 +87,7 @@ def propose(draft: Transformer, cache: KVCache, slots: Tensor, pending: list[lis
         # Over the draft's head vocabulary (all tokens, or the ones a restricted head can propose): q is 0 elsewhere.
         log_softmax = out.head_logits.log_softmax(dim=-1)  # (R, N)
         if greedy_all:
-            index = out.head_logits.argmax(dim=-1)  # (R,) position in the head vocabulary (sorted: ties as in V)
+            index = greedy_tokens(out.head_logits)  # (R,) position in the head vocabulary (sorted: ties as in V)
             token = index if out.head_ids is None else out.head_ids[index]
             score = log_softmax.gather(-1, index[:, None])[:, 0].cpu()
             token = token.cpu()
@@ -157,7 +157,7 @@ def score(target: Transformer, cache: KVCache, slots: Tensor, last: Tensor, prop
     used = position < num_new[:, None]  # (B, K'+1) which inputs each request sends
     logits = target.forward(cache, slots, num_new, inputs[used]).logits  # (T, V), T = sum(l) + B
     argmax = torch.zeros(batch, k_prime + 1, dtype=torch.int64)
-    argmax[used] = logits.argmax(dim=-1).cpu()
+    argmax[used] = greedy_tokens(logits).cpu()
     if sampling is None:
         return Scored(None, argmax)
     logits = logits.cpu()  # a target on a GPU: p on the host, where the acceptance rule runs
