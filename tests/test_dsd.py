@@ -61,3 +61,14 @@ def test_dsd_reads_the_profiled_tables_where_a_line_cannot_fit_the_staircase() -
     assert dsd_choose_k(0.95, 8, 8, cost) == 3  # 4 rows each: one weight pass
     policy = make_policy(SpecConfig(policy="dsd", k_max=8), None, 8)
     assert policy.needs_row_times  # the engine profiles both tables for it
+
+
+def test_row_grid_reaches_the_most_rows_a_step_verifies():
+    """The profiled table ends at the most rows a step can verify, so none of them is priced by extrapolation (a
+    table that stopped at 17 of 28 rows priced 28 on the 16 -> 17 step's slope)."""
+    from batchspec.spec.step_time import row_grid
+
+    for max_rows in (1, 5, 16, 17, 28, 40, 56):
+        grid = row_grid(max_rows)
+        assert grid[0] == 1 and grid[-1] == max_rows and grid == sorted(set(grid))
+    assert {15, 16, 17, 28} <= set(row_grid(28)) and {31, 32, 33, 47, 48, 49, 56} <= set(row_grid(56))

@@ -126,8 +126,9 @@ class StepCost:
 
 
 # 2: row times re-timed where a busy machine slowed them, and non-decreasing (`profile_row_times`); 3: the target's
-# padded attention rows (`profile_pad_time`); 4: each grid point timed at exactly its rows (`profile_row_times`).
-PROFILE_VERSION = 4
+# padded attention rows (`profile_pad_time`); 4: each grid point timed at exactly its rows (`profile_row_times`);
+# 5: the grid ends at the most rows a step can verify (`row_grid`).
+PROFILE_VERSION = 5
 
 # Forwards are timed after this many tokens of context: a chat prompt and part of its answer (HumanEval's chat prompts
 # run 100-250 tokens, answers 128-256), where attention's share of a step is what a served request sees.
@@ -219,8 +220,14 @@ def profile_step_time(target: Transformer, draft: Transformer, max_batch: int, k
 
 
 def row_grid(max_rows: int) -> list[int]:
-    """Rows to profile: every few rows at first, then at and between multiples of 16 (where blocked kernels step)."""
-    grid = {1, 2, 3, 4, 6, 8, 12}
+    """Rows to profile: every few rows at first, then at and between multiples of 16 (where blocked kernels step), and
+    `max_rows` itself, so that no row count a step can verify is priced beyond the table.
+
+    Without the last point a table ended at the grid's last point below `max_rows` and the rows past it were priced
+    on the slope of its last segment: the Qwen 1.5B target at batch 4 with K' = 6 (28 rows at most) was timed up to
+    17 rows, the step from 16 (219 ms) to 17 (248: one padded query row more per request) extrapolated at 29 ms a row,
+    so 28 rows were priced 563 ms where one 32-row call takes ~240."""
+    grid = {1, 2, 3, 4, 6, 8, 12, max(max_rows, 1)}
     grid |= {r for m in range(16, max_rows + 16, 16) for r in (m - 1, m, m + 1)}
     return sorted(r for r in grid if r <= max(max_rows, 1))
 
