@@ -163,7 +163,7 @@ def _text_only_tokenizer(path: Path) -> HFTokenizer:
     return tokenizer
 
 
-@functools.lru_cache(maxsize=8)  # compiling takes ~23 ms, as long as tokenising a prompt; rendering is thread-safe
+@functools.lru_cache(maxsize=8)  # a compile took ~23 ms per chat prompt (Qwen's); a Template renders thread-safely
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str):
         raise jinja2.TemplateError(message)
