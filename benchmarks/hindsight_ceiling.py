@@ -38,7 +38,8 @@ def accepted_runs(accept: np.ndarray) -> np.ndarray:
 
 
 def plan_seconds(windows: np.ndarray, passes: np.ndarray, target: np.ndarray, pad_s: float) -> np.ndarray:
-    """(N, B) window plans -> (N,) seconds: the draft passes, the target over B + C rows, its padded query rows."""
+    """(N, B) window plans -> (N,) seconds: the draft passes, the target over B + C rows, its padded query rows
+    (`goodput.drafting_time` and `goodput.padded_rows` for many plans at once: a step has thousands)."""
     batch, depth = windows.shape[1], int(windows.max(initial=0))
     rows_per_pass = np.stack([(windows >= j).sum(axis=1) for j in range(1, depth + 1)], axis=1) if depth else \
         np.zeros((len(windows), 0), dtype=np.int64)
@@ -113,9 +114,8 @@ def main() -> None:
     best_k = max(fixed_rates, key=fixed_rates.get)
     print(f"{args.trace}: {len(uniform)} steps, batch {batch}, K' {width}")
     print("one k for the run (tokens/s): " + ", ".join(f"k={k} {r:.2f}" for k, r in fixed_rates.items()))
-    rows = [("one k per step", uniform), ("windows per request", per_request)]
     base = fixed_rates[best_k]
-    for name, options in rows:
+    for name, options in (("one k per step", uniform), ("windows per request", per_request)):
         own, priced = pooled(options, None), dinkelbach(options)
         print(f"{name:>20}: each step's own best rate {own:.2f} tokens/s ({own / base:.3f} of k={best_k}), "
               f"priced at the run's rate {priced:.2f} ({priced / base:.3f})")
