@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from batchspec.runtime.model import Transformer
+from batchspec.runtime.sampling import greedy_tokens
 from batchspec.runtime.teacher_forcing import answer_log_probs
 
 
@@ -37,6 +38,6 @@ def target_scores(target: Transformer, prompts: list[list[int]], outputs: list[l
         logp = answer_log_probs(target, chunk)  # (N, V)
         wanted = torch.tensor([t for _, o in chunk for t in o])  # (N,)
         nll -= float(logp.gather(1, wanted[:, None]).sum())
-        disagree += int((logp.argmax(dim=-1) != wanted).sum())
+        disagree += int((greedy_tokens(logp) != wanted).sum())  # ties resolve as in `ar`
         count += len(wanted)
     return (nll / count, disagree / count) if count else (0.0, 0.0)
