@@ -34,6 +34,7 @@ from batchspec.engine.model_runner import ModelRunner
 from batchspec.engine.request import GenerationOutput, Request, commit_tokens, output_of
 from batchspec.engine.scheduler import PrefillChunk, ScheduledStep, Scheduler, StepOutput
 from batchspec.errors import BatchspecError
+from batchspec.runtime.allocator import keep_freed_memory
 from batchspec.runtime.precision import DEFAULT_TARGET_DTYPE
 from batchspec.runtime.sampling import SamplingParams, greedy_tokens, params_tensors, sample_with_uniforms, token_probs
 from batchspec.runtime.threads import configure_threads
@@ -91,6 +92,7 @@ class Engine:
             draft.transformer.batch_invariant = False
         for model in (target, draft) if draft is not None else (target,):
             model.transformer.pack_weights()  # oneDNN's layout now, not on the first request
+        keep_freed_memory()  # the forwards' buffers stay mapped from call to call (after loading's temporaries went)
         self.max_batch_size = max_batch_size
         self.prefill_tokens = prefill_tokens
         self.prefill_chunk = prefill_chunk
