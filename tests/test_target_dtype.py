@@ -9,7 +9,7 @@ import torch
 
 from batchspec import Engine, SamplingParams
 from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
-from batchspec.runtime.linear import Int8Weight, onednn_int8_available
+from batchspec.runtime.linear import Int8Weight, onednn_available, onednn_int8_available
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.step_time import StepTimeModel
 from batchspec.weights.known_models import default_draft_dir
@@ -148,7 +148,7 @@ def test_int4_wide_copy_takes_calls_of_many_rows():
 
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64), torch.randn(96).to(torch.bfloat16)
-    narrow, wide = Int4Weight.quantize(weight), Int4Weight.quantize(weight, wide=True)
+    narrow, wide = Int4Weight.quantize(weight), Int4Weight.quantize(weight, wide="int8")
     assert narrow.wide is None and wide.wide is not None and wide.wide.shape == weight.shape
     assert torch.equal(narrow.packed, wide.packed)
     for rows in (1, Int4Weight.WIDE_ROWS - 1, Int4Weight.WIDE_ROWS, 40):
@@ -170,6 +170,27 @@ def test_int4_wide_copy_takes_calls_of_many_rows():
         assert bool(((both - exact).abs() <= bound).all())
     zeros = torch.zeros(Int4Weight.WIDE_ROWS, 64, dtype=torch.bfloat16)  # a call of zeros: no scale of 0
     assert torch.equal(linear(zeros, wide, bias, "onednn"), bias.expand(Int4Weight.WIDE_ROWS, 96))
+
+
+@pytest.mark.skipif(not onednn_available(), reason="needs oneDNN's float32 linear")
+def test_int4_float32_copy_takes_calls_of_many_rows():
+    """Where int8 is slow (no VNNI), an int4 draft's copy for many rows is the float32 matrix on oneDNN
+    (`Float32Wide`): from its row count on a call's result is the float32 product, rounded once to bfloat16."""
+    from batchspec.runtime.linear import Float32Wide, Int4Weight, linear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96).to(torch.bfloat16)
+    narrow, wide = Int4Weight.quantize(weight), Int4Weight.quantize(weight, wide="float32")
+    assert isinstance(wide.wide, Float32Wide) and wide.wide_rows == Float32Wide.ROWS
+    assert torch.equal(narrow.packed, wide.packed)
+    for rows in (1, Float32Wide.ROWS - 1, Float32Wide.ROWS, 40):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        both = linear(x, wide, bias, "onednn")
+        if rows < Float32Wide.ROWS:
+            assert torch.equal(both, linear(x, narrow, bias, "onednn"))  # the int4 kernel itself
+            continue
+        exact = (x.float() @ weight.t()).to(torch.bfloat16) + bias
+        assert torch.allclose(both.float(), exact.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_bfloat16_target_prefills_whole_prompts_alone(tiny_model_factory, monkeypatch):

@@ -147,18 +147,19 @@ class Transformer:
                                  (layer.w_down, None), (head, None)):
                 invariant_chunk_rows(weight, bias)
 
-    def quantize_weights(self, precision: str, wide: bool = False) -> None:
+    def quantize_weights(self, precision: str, wide: str | None = None) -> None:
         """Weight-only `int8` (`linear.Int8Weight`) or `int4` (`linear.Int4Weight`) for every layer matrix and the
         LM head. The model must be in bfloat16, which its activations, norms, embedding and KV cache stay in;
-        restrict the head first. wide (int4): keep an int8 copy for calls of many rows (`Int4Weight.wide`)."""
+        restrict the head first. wide (int4): keep an `int8` or `float32` copy for calls of many rows
+        (`Int4Weight.wide`)."""
         kinds = {"int8": Int8Weight, "int4": Int4Weight}
         if precision not in kinds:
             raise BatchspecError(f"unknown weight-only precision {precision!r}; use int8 or int4")
         check_precision_on(self.device, precision)
         if self.dtype != torch.bfloat16 or self.precision != "bfloat16":
             raise BatchspecError(f"{precision} weights need a bfloat16 model, this one is {self.precision}")
-        int4_wide = wide and precision == "int4"
-        quantize = functools.partial(Int4Weight.quantize, wide=True) if int4_wide else kinds[precision].quantize
+        int4_wide = wide if precision == "int4" else None
+        quantize = functools.partial(Int4Weight.quantize, wide=int4_wide) if int4_wide else kinds[precision].quantize
         self._map_layer_matrices(quantize)
         self.packed_weights.clear()
         self.lm_head = quantize(self.lm_head, wide_rows=Int4Weight.HEAD_WIDE_ROWS) if int4_wide \

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from batchspec.errors import BatchspecError
 from batchspec.runtime.config import ModelConfig
 from batchspec.runtime.device import check_precision_on, resolve_device
-from batchspec.runtime.linear import onednn_int8_available
+from batchspec.runtime.linear import onednn_available, onednn_int8_available
 from batchspec.weights import known_models
 from batchspec.weights.gguf_conversion import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, convert_gguf, gguf_config,
                                                gguf_state_dict, unpermute_rope)
@@ -82,7 +82,9 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
             raise BatchspecError(f"{model_dir / HEAD_VOCAB_FILE}: {bad}") from None
     if precision in ("int8", "int4"):
         # An int4 model is a draft: it also prefills, where int4's kernel is slow (`Int4Weight.WIDE_ROWS`).
-        transformer.quantize_weights(precision, wide=precision == "int4" and onednn_int8_available())
+        # Its copy for them: int8 where the CPU multiplies int8 fast, else float32 on oneDNN, else none.
+        wide = "int8" if onednn_int8_available() else "float32" if onednn_available() else None
+        transformer.quantize_weights(precision, wide=wide if precision == "int4" else None)
     return transformer
 
 
