@@ -84,7 +84,7 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
         # An int4 model is a draft: it also prefills, where int4's kernel is slow (`Int4Weight.WIDE_ROWS`).
         # Its copy for them: int8 where the CPU multiplies int8 fast, else float32 on oneDNN, else none.
         wide = "int8" if onednn_int8_available() else "float32" if onednn_available() else None
-        transformer.quantize_weights(precision, wide=wide if precision == "int4" else None)
+        transformer.quantize_weights(precision, wide=wide)  # (an int8 model keeps no copy)
     return transformer
 
 
