@@ -176,12 +176,15 @@ def test_int4_wide_copy_takes_calls_of_many_rows():
 def test_int4_float32_copy_takes_calls_of_many_rows():
     """Where int8 is slow (no VNNI), an int4 draft's copy for many rows is the float32 matrix on oneDNN
     (`Float32Wide`): from its row count on a call's result is the float32 product, rounded once to bfloat16."""
+    from batchspec.errors import BatchspecError
     from batchspec.runtime.linear import Float32Wide, Int4Weight, linear
 
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64), torch.randn(96).to(torch.bfloat16)
     narrow, wide = Int4Weight.quantize(weight), Int4Weight.quantize(weight, wide="float32")
     assert isinstance(wide.wide, Float32Wide) and wide.wide_rows == Float32Wide.ROWS
+    with pytest.raises(BatchspecError, match="unknown copy 'int3'"):
+        Int4Weight.quantize(weight, wide="int3")
     assert torch.equal(narrow.packed, wide.packed)
     for rows in (1, Float32Wide.ROWS - 1, Float32Wide.ROWS, 40):
         x = torch.randn(rows, 64).to(torch.bfloat16)

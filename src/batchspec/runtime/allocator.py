@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 # mallopt parameters (glibc's malloc.h)
@@ -26,6 +27,7 @@ KEEP_BYTES = 256 << 20  # free memory kept at the top of the heap
 MMAP_FROM_BYTES = 32 << 20  # requests this large or larger get their own mmap (glibc's largest allowed threshold)
 
 
+@functools.cache  # once per process: every Engine calls it
 def keep_freed_memory() -> bool:
     """Tune glibc's malloc as above. Returns whether it took effect (False off Linux or with another C library)."""
     if not sys.platform.startswith("linux"):

@@ -193,6 +193,12 @@ class Int8Dynamic:
                                                   None, 1.0, 0, torch.bfloat16, "none", [], "")
 
 
+def onednn_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A (out, in) float32 or bfloat16 matrix in oneDNN's blocked layout for linear layers (`PackedWeights.ROWS_HINT`
+    rows chosen for)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PackedWeights.ROWS_HINT)
+
+
 @dataclass(frozen=True)
 class Float32Wide:
     """An int4 draft's float32 copy of a matrix for calls of many rows, on oneDNN's packed layout: where the CPU has
@@ -207,8 +213,7 @@ class Float32Wide:
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> Float32Wide:
-        return cls(torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), PackedWeights.ROWS_HINT),
-                   torch.Size(weight.shape))
+        return cls(onednn_layout(weight.float()), torch.Size(weight.shape))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, in) bfloat16 -> (N, out) bfloat16."""
@@ -259,10 +264,11 @@ class Int4Weight:
         parts = [cls._quantize_rows(rows) for rows in weight.split(QUANTIZE_ROWS)]
         packed = torch.cat([packed for packed, _ in parts])
         scales_zeros = torch.cat([scales_zeros for _, scales_zeros in parts], dim=1)
-        if wide == "float32":
-            return cls(packed, scales_zeros, torch.Size(weight.shape), Float32Wide.of(weight), Float32Wide.ROWS)
-        return cls(packed, scales_zeros, torch.Size(weight.shape), Int8Dynamic.quantize(weight) if wide else None,
-                   wide_rows)
+        if wide not in (None, "int8", "float32"):
+            raise BatchspecError(f"unknown copy {wide!r} for an int4 matrix's wide calls; use int8 or float32")
+        copy = None if wide is None else Int8Dynamic.quantize(weight) if wide == "int8" else Float32Wide.of(weight)
+        return cls(packed, scales_zeros, torch.Size(weight.shape), copy,
+                   Float32Wide.ROWS if wide == "float32" else wide_rows)
 
     @classmethod
     def _quantize_rows(cls, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,7 +416,7 @@ class PackedWeights:
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         entry = self._by_id.get(id(weight))
         if entry is None or entry[0] is not weight:
-            entry = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.ROWS_HINT))
+            entry = (weight, onednn_layout(weight))
             self._by_id[id(weight)] = entry
         return entry[1]
 

@@ -31,7 +31,7 @@ from batchspec.runtime.device import check_precision_on, synchronize
 from batchspec.runtime.kv_cache import KVCache
 from batchspec.runtime.layer_weights import LayerWeights
 from batchspec.runtime.linear import (Int4Weight, Int8Weight, PackedWeights, QuantizedWeight, default_backend, dense,
-                                      invariant_chunk_rows, linear)
+                                      invariant_chunk_rows, linear, onednn_layout)
 from batchspec.runtime.rope import rope_inv_freq, rope_tables, rotate_half
 
 __all__ = ["ForwardOutput", "LayerWeights", "Transformer", "rope_inv_freq", "rotate_half"]
@@ -132,7 +132,7 @@ class Transformer:
             if weight.is_mkldnn:
                 return weight
             self.packed_weights.discard(weight)  # a copy made on first use, before this
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PackedWeights.ROWS_HINT)
+            packed = onednn_layout(weight)
             if keep_plain:  # for one-row calls (`PackedWeights.GEMV_COPY_BYTES`)
                 self.packed_weights.keep_plain(packed, weight)
             return packed
