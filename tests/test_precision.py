@@ -32,3 +32,6 @@ def test_step_time_profile_key_names_the_draft_dtype(tiny_model_factory):
     path = tiny_model_factory(name="draft", seed=1, hidden_size=32, intermediate_size=64)
     fp32, bf16 = (load_model(path, dtype=d).transformer for d in (torch.float32, torch.bfloat16))
     assert _profile_key(target, fp32, 4, 4) != _profile_key(target, bf16, 4, 4)
+    restricted = load_model(path).transformer
+    restricted.restrict_head(torch.arange(0, restricted.config.vocab_size, 2))
+    assert _profile_key(target, fp32, 4, 4) != _profile_key(target, restricted, 4, 4)  # a head vocabulary: cheaper

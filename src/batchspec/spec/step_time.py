@@ -171,9 +171,11 @@ def runtime_code_version() -> str:
 def _profile_key(target: Transformer, draft: Transformer, max_batch: int, k_max: int) -> str:
     def model_id(model: Transformer) -> dict:
         weights = model.embed.float()
+        head = None if model.head_ids is None else hashlib.sha256(
+            model.head_ids.cpu().numpy().tobytes()).hexdigest()[:16]  # a restricted LM head: a cheaper forward
         return {"config": model.config.as_dict(), "embed": [float(weights[:64].sum()), float(weights[-64:].sum())],
                 "dtype": model.precision, "linear": model.linear_backend, "device": str(model.device),
-                "accelerator": device_description(model.device)}
+                "accelerator": device_description(model.device), "head": head}
 
     key = {"target": model_id(target), "draft": model_id(draft), "max_batch": max_batch, "k_max": k_max,
            "torch": torch.__version__, "cpu": machine_description(), "runtime": runtime_code_version(),
