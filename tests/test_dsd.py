@@ -76,10 +76,10 @@ def test_row_grid_reaches_the_most_rows_a_step_verifies():
 
 def test_dsd_probes_after_steps_at_zero_and_leaves_the_prior() -> None:
     """Where the prior makes k = 0 best, k = 0 steps teach nothing: dsd drafts one token per request every
-    PROBE_AFTER + 1 steps, and a draft that agrees brings it to longer windows (it stayed at k = 0 without)."""
+    EXPLORE_AFTER steps, and a draft that agrees brings it to longer windows (it stayed at k = 0 without)."""
     from batchspec.spec.config import SpecConfig
     from batchspec.spec.policies import make_policy
-    from batchspec.spec.policies.dsd import PROBE_AFTER
+    from batchspec.spec.policies.dsd import EXPLORE_AFTER
 
     def step_time(batch_size: int, k: int) -> float:
         return 1.0 + 0.9 * k  # k = 1 pays from alpha 0.9 on; the prior 0.7 says k = 0
@@ -91,8 +91,8 @@ def test_dsd_probes_after_steps_at_zero_and_leaves_the_prior() -> None:
         windows.append(k)
         if k:
             policy.observe(None, [k] * 8, [k] * 8)  # every draft accepted
-    assert windows[:PROBE_AFTER] == [0] * PROBE_AFTER and windows[PROBE_AFTER] == 1  # the first probe
+    assert windows[:EXPLORE_AFTER] == [0] * (EXPLORE_AFTER - 1) + [1]  # the first exploration
     assert windows[-10:] == [4] * 10  # learned: every draft is accepted, the longest window pays most
     never = make_policy(SpecConfig(policy="dsd", k_max=4), None, 8)
-    plans = [never.plan(8, lambda b, k: 1.0 + 5.0 * k).k for _ in range(3 * (PROBE_AFTER + 1))]
-    assert plans.count(1) == 3 and plans.count(0) == len(plans) - 3  # drafting never pays: probes only
+    plans = [never.plan(8, lambda b, k: 1.0 + 5.0 * k).k for _ in range(3 * EXPLORE_AFTER)]
+    assert plans == ([0] * (EXPLORE_AFTER - 1) + [1]) * 3  # drafting never pays: explorations only, at a fixed wait

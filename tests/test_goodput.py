@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import make_policy
+from batchspec.spec.policies.exploration import Exploration
 from batchspec.spec.policies.goodput import (Goodput, capacity_rates, drafting_time, goodput_capacity,
                                              goodput_draft_lengths, goodput_windows, padded_rows, pass_times,
                                              smallest_step)
@@ -441,3 +442,26 @@ def test_auto_capacity_drafts_up_to_dsds_cap():
     assert auto.plan(1, _cost(draft_step=0.01, per_row=0.001)).k_prime == 8  # nothing seen yet: the whole cap
     assert make_policy(SpecConfig(policy="tetris", k=4, extra=6, k_max=8, capacity="auto")).max_draft_length() == 10
     assert make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8)).max_draft_length() == 6  # fixed C: K'
+
+
+@given(st.integers(1, 6), st.integers(0, 3), st.lists(st.booleans(), max_size=80))
+@settings(max_examples=200, deadline=None)
+def test_exploration_waits_double_from_after_to_most_and_drafting_resets_them(after, doublings, drafts):
+    """The gap between explorations (steps planned to draft nothing in a row) starts at `after`, doubles after each
+    exploration that finds drafting far from paying, never exceeds `most`, and is back to `after` once `after`
+    steps in a row drafted."""
+    most = after * 2 ** doublings
+    exploration = Exploration(after=after, most=most)
+    wait, plain, drafting = after, 0, 0
+    for drafted in drafts:
+        if drafted:
+            exploration.drafted()
+            plain, drafting = 0, drafting + 1
+            wait = after if drafting >= after else wait
+            continue
+        plain, drafting = plain + 1, 0
+        explores = plain == wait
+        assert exploration.explores() == explores
+        if explores:
+            plain, wait = 0, min(2 * wait, most)
+        assert after <= exploration.wait == wait <= most

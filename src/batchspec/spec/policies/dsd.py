@@ -4,9 +4,9 @@ goodput(k) = B * (1 - alpha^(k+1)) / (1 - alpha) / T(B, k), with alpha an EMA of
 T(B, k) a step-time model profiled on this machine (`spec/step_time.py` fits and caches it).
 
 A step at k = 0 verifies nothing, so it teaches the estimate nothing: where the prior (0.7) makes k = 0 the best
-choice, alpha would stay at the prior for the whole run, however well the draft agrees. After `PROBE_AFTER` steps in
-a row at k = 0, dsd drafts one token per request (k = 1) to observe the acceptance again, as goodput Tetris
-explores after plain decoding steps (`Goodput.explore_after`). Measured on an AVX2 EPYC (Qwen pair, float32 target,
+choice, alpha would stay at the prior for the whole run, however well the draft agrees. The `EXPLORE_AFTER`-th step
+in a row planned at k = 0 drafts one token per request (k = 1) to observe the acceptance again (`Exploration`, as
+goodput Tetris explores, at a fixed wait here). Measured on an AVX2 EPYC (Qwen pair, float32 target,
 batch 8, where a window of 1 pays only from alpha ~0.84): without probes dsd spent 217 steps almost all at k = 0,
 0.92x sd's tokens per second; with them 1.03x (69 steps).
 """
@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 from batchspec.errors import BatchspecError
 from batchspec.spec.policies.base import Plan, StepTime
+from batchspec.spec.policies.exploration import Exploration
 from batchspec.spec.policies.sd import SdPolicy
 
 
-# Steps in a row at k = 0 before dsd drafts one token per request to observe the acceptance (a probe at most every
-# PROBE_AFTER + 1 steps: where k = 0 is right, a probe costs one draft pass and one verified row per request).
-PROBE_AFTER = 4
+# Every EXPLORE_AFTER-th step in a row planned at k = 0 drafts one token per request to observe the acceptance
+# (where k = 0 is right, that costs one draft pass and one verified row per request every EXPLORE_AFTER steps).
+EXPLORE_AFTER = 5
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class DsdPolicy(SdPolicy):
     def __init__(self, spec, verifier=None) -> None:
         super().__init__(spec, verifier)
         self.acceptance = AcceptanceEMA()  # learned across steps (and across `generate` calls of one engine)
-        self.steps_at_zero = 0  # consecutive steps planned at k = 0 (they observe nothing)
+        self.exploration = Exploration(after=EXPLORE_AFTER, most=EXPLORE_AFTER)  # steps at k = 0 observe nothing
 
     @classmethod
     def validate(cls, spec, batch_size: int) -> None:
@@ -86,9 +87,10 @@ class DsdPolicy(SdPolicy):
         if step_time is None:
             raise BatchspecError("dsd needs a step-time model T(B, k) to choose its window")
         k = dsd_choose_k(self.acceptance.value, batch_size, self.spec.k_max, step_time)
-        self.steps_at_zero = self.steps_at_zero + 1 if k == 0 else 0
-        if self.steps_at_zero > PROBE_AFTER:  # the estimate is stale: look at the acceptance again
-            k, self.steps_at_zero = 1, 0
+        if k:
+            self.exploration.drafted()
+        elif self.exploration.explores():  # the estimate is stale: look at the acceptance again
+            k = 1
         return Plan(k, k, min(self.spec.capacity_for(batch_size), batch_size * k))
 
     def observe(self, proposal, windows: list[int], accepted: list[int]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from batchspec.spec.calibration import AcceptanceCalibration, bin_of
+from batchspec.spec.policies.exploration import Exploration
 
 
 def capacity_rates(survival: np.ndarray, times: np.ndarray) -> np.ndarray:
@@ -161,10 +162,8 @@ class Goodput:
         self.expected_survival: np.ndarray | None = None  # (max_draft,) recent mean survival per position
         self._requests: tuple = ()  # the requests of the last step, in row order
         self._own: np.ndarray = np.zeros((0, max_draft))  # (B, max_draft) each one's recent survival per position
-        self._plain_steps = 0
-        self._drafting_steps = 0  # steps in a row the estimates chose to draft
+        self._exploration = Exploration(after=self.explore_after, most=self.explore_most)
         self.exploring = False  # whether the last `draft_lengths` was an exploration (its drafts are all verified)
-        self._wait = self.explore_after
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
         self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
         self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
@@ -305,20 +304,15 @@ class Goodput:
             lengths = goodput_draft_lengths(self._own_rows(requests), passes, target, pad_s)
             self._best = requests, target, lengths
         if lengths.any():
-            # The wait is back to its shortest once drafting has paid for a while, not after an exploration whose one
-            # accepted draft buys a step or two of drafting before it stops again.
-            self._plain_steps, self._drafting_steps = 0, self._drafting_steps + 1
-            if self._drafting_steps >= self.explore_after:
-                self._wait = self.explore_after
+            self._exploration.drafted()
             return lengths
-        self._plain_steps, self._drafting_steps = self._plain_steps + 1, 0
-        if self._plain_steps < self._wait:
-            return lengths
-        # The wait doubles while one draft per request is predicted far from paying; near it (within `near` of
-        # plain decoding's rate), exploring costs little and may well pay, so the wait stays short.
         batch = len(requests)
-        one_each = (batch + float(self._own_rows(requests)[:, 0].sum())) / (passes[batch] + target[batch])
-        near = one_each >= self.near * batch / target[0]
-        self._plain_steps, self._wait = 0, self.explore_after if near else min(2 * self._wait, self.explore_most)
+
+        def near() -> bool:  # one draft per request predicted within `near` of plain decoding's rate
+            one_each = (batch + float(self._own_rows(requests)[:, 0].sum())) / (passes[batch] + target[batch])
+            return one_each >= self.near * batch / target[0]
+
+        if not self._exploration.explores(near):
+            return lengths
         self.exploring = True
         return np.ones(batch, dtype=np.int64)
