@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from batchspec.errors import BatchspecError
-import batchspec.runtime.linear as linear_module
-from batchspec.runtime.linear import (BACKENDS, ENV_VAR, ONEDNN_CHUNK_ROWS, PackedWeights, choose_backend, default_backend,
-                                      invariant_chunk_rows, linear, onednn_available, onednn_bf16_available,
-                                      onednn_int8_available)
+import batchspec.runtime.onednn as onednn_module
+import batchspec.runtime.quantized as quantized_module
+from batchspec.runtime.linear import BACKENDS, ENV_VAR, choose_backend, default_backend, linear
+from batchspec.runtime.onednn import (ONEDNN_CHUNK_ROWS, PackedWeights, invariant_chunk_rows, onednn_available,
+                                      onednn_bf16_available, onednn_int8_available)
 
 
 def test_auto_takes_onednn_on_amd_and_intel_where_the_build_has_it():
@@ -184,29 +185,30 @@ def test_loaded_tensors_own_their_memory(tiny_model_factory):
 def test_quantizing_in_row_chunks_gives_the_same_weights(monkeypatch, precision):
     """Matrices are quantized QUANTIZE_ROWS rows at a time (bounded temporaries): the result must be that of the
     whole matrix at once, bit for bit."""
-    from batchspec.runtime.linear import Int4Weight, Int8Weight
+    from batchspec.runtime.quantized import Int4Weight, Int8Weight
 
     kind = {"int8": Int8Weight, "int4": Int4Weight}[precision]
     weight = 0.05 * torch.randn(176, 64, generator=torch.Generator().manual_seed(0))
     whole = kind.quantize(weight)
-    monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 64)  # 3 chunks, the last one short (int4: blocks of 64 rows)
+    monkeypatch.setattr(quantized_module, "QUANTIZE_ROWS", 64)  # 3 chunks, the last one short (int4: blocks of 64 rows)
     chunked = kind.quantize(weight)
     assert chunked.shape == whole.shape
     assert torch.equal(chunked.dequantize(), whole.dequantize())
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(linear(x, chunked), linear(x, whole))
     if precision == "int4" and onednn_int8_available():  # the int8 copy for calls of many rows, too
-        monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 8192)
-        whole = kind.quantize(weight, wide=True)
-        monkeypatch.setattr(linear_module, "QUANTIZE_ROWS", 32)
-        chunked = kind.quantize(weight, wide=True)
+        monkeypatch.setattr(quantized_module, "QUANTIZE_ROWS", 8192)
+        whole = kind.quantize(weight, wide="int8")
+        monkeypatch.setattr(quantized_module, "QUANTIZE_ROWS", 32)
+        chunked = kind.quantize(weight, wide="int8")
         assert torch.equal(chunked.wide.scales, whole.wide.scales)
-        many = torch.randn(linear_module.Int4Weight.WIDE_ROWS + 3, 64).bfloat16()
+        many = torch.randn(Int4Weight.WIDE_ROWS + 3, 64).bfloat16()
         assert torch.equal(linear(many, chunked), linear(many, whole))
 
 
 def test_int8_weights_multiply_as_their_dequantised_values_and_rows_stay_independent():
-    from batchspec.runtime.linear import Int8Weight, dense
+    from batchspec.runtime.linear import dense
+    from batchspec.runtime.quantized import Int8Weight
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = 0.05 * torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen).bfloat16()
@@ -252,17 +254,17 @@ def test_batch_invariant_bfloat16_rows_do_not_depend_on_their_neighbours(shape, 
     _rows_alone_and_together(weight, b, x, packed)
     key = (shape[0], shape[1], bias)
     try:  # a shape that failed the check keeps the padded 16-row blocks, invariant too
-        linear_module._probed_chunks[key] = 0
+        onednn_module._probed_chunks[key] = 0
         _rows_alone_and_together(weight, b, x, packed)
     finally:
-        del linear_module._probed_chunks[key]
+        del onednn_module._probed_chunks[key]
 
 
 @needs_onednn_bf16
 def test_chunked_calls_never_take_one_row_or_more_than_the_chunk(monkeypatch):
     calls = []
-    real = linear_module._onednn
-    monkeypatch.setattr(linear_module, "_onednn", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
+    real = onednn_module.onednn_linear
+    monkeypatch.setattr(onednn_module, "onednn_linear", lambda x, w, b: calls.append(x.shape[0]) or real(x, w, b))
     weight = torch.randn(48, 64).bfloat16()
     packed = PackedWeights()
     invariant_chunk_rows(packed.get(weight), None)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchspec.runtime.linear import BACKENDS, onednn_available
+from batchspec.runtime.linear import BACKENDS
+from batchspec.runtime.onednn import onednn_available
 from batchspec.weights.loading import load_transformer
 
 pytestmark = pytest.mark.slow  # real models end to end: left out of `pytest -m "not slow"`

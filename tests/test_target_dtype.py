@@ -9,7 +9,8 @@ import torch
 
 from batchspec import Engine, SamplingParams
 from batchspec.datasets.prompts import humaneval_chat_prompt, humaneval_prompts
-from batchspec.runtime.linear import Int8Weight, onednn_available, onednn_int8_available
+from batchspec.runtime.onednn import onednn_available, onednn_int8_available
+from batchspec.runtime.quantized import Int8Weight
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.step_time import StepTimeModel
 from batchspec.weights.known_models import default_draft_dir
@@ -114,7 +115,8 @@ def test_int4_weights_round_trip_and_stay_a_drafts_option(tiny_model_factory):
     a step of the originals; a tiny Qwen2 target with its int4 copy as the draft stays lossless; an int4 target is
     refused (its kernels are not known to be batch-invariant)."""
     from batchspec.errors import BatchspecError
-    from batchspec.runtime.linear import Int4Weight, dense
+    from batchspec.runtime.linear import dense
+    from batchspec.runtime.quantized import Int4Weight
 
     weight = torch.randn(96, 64)
     quantized = Int4Weight.quantize(weight)
@@ -144,7 +146,8 @@ def test_int4_wide_copy_takes_calls_of_many_rows():
     """An int4 draft keeps its matrices in int8 too (`Int4Weight.wide`, `Int8Dynamic`): calls of `WIDE_ROWS` rows or
     more (prefills, wide batches) multiply on that copy with int8 activations, fewer rows on the int4 kernel; both
     approximate the same matrix, each within its own quantization's error."""
-    from batchspec.runtime.linear import Int4Weight, linear
+    from batchspec.runtime.linear import linear
+    from batchspec.runtime.quantized import Int4Weight
 
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64), torch.randn(96).to(torch.bfloat16)
@@ -177,7 +180,8 @@ def test_int4_float32_copy_takes_calls_of_many_rows():
     """Where int8 is slow (no VNNI), an int4 draft's copy for many rows is the float32 matrix on oneDNN
     (`Float32Wide`): from its row count on a call's result is the float32 product, rounded once to bfloat16."""
     from batchspec.errors import BatchspecError
-    from batchspec.runtime.linear import Float32Wide, Int4Weight, linear
+    from batchspec.runtime.linear import linear
+    from batchspec.runtime.quantized import Float32Wide, Int4Weight
 
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64), torch.randn(96).to(torch.bfloat16)

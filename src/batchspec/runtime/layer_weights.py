@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from batchspec.runtime.linear import QuantizedWeight
+from batchspec.runtime.quantized import QuantizedWeight
 
 
 @dataclass

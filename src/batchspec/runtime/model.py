@@ -30,8 +30,9 @@ from batchspec.runtime.decoder_block import decoder_block
 from batchspec.runtime.device import check_precision_on, synchronize
 from batchspec.runtime.kv_cache import KVCache
 from batchspec.runtime.layer_weights import LayerWeights
-from batchspec.runtime.linear import (Int4Weight, Int8Weight, PackedWeights, QuantizedWeight, default_backend, dense,
-                                      invariant_chunk_rows, linear, onednn_layout)
+from batchspec.runtime.linear import default_backend, dense, linear
+from batchspec.runtime.onednn import PackedWeights, invariant_chunk_rows, onednn_layout
+from batchspec.runtime.quantized import Int4Weight, Int8Weight, QuantizedWeight
 from batchspec.runtime.rope import rope_inv_freq, rope_tables, rotate_half
 
 __all__ = ["ForwardOutput", "LayerWeights", "Transformer", "rope_inv_freq", "rotate_half"]
@@ -117,7 +118,7 @@ class Transformer:
         1.5B target in float32, untied: 6.6 GiB of weights, 7.9 GiB resident after packing with a copy of its
         0.85 GiB head, 7.0 without). A float32 model of at most `PackedWeights.GEMV_COPY_BYTES` of matrices keeps
         them plain too, for one-row calls (MKL's gemv, 7-17 % faster there). A batch-invariant bfloat16 model also
-        runs `linear.invariant_chunk_rows`'s checks now, once per matrix shape.
+        runs `onednn.invariant_chunk_rows`'s checks now, once per matrix shape.
         """
         if self.linear_backend != "onednn" or isinstance(self.lm_head, QuantizedWeight):
             return
@@ -148,7 +149,7 @@ class Transformer:
                 invariant_chunk_rows(weight, bias)
 
     def quantize_weights(self, precision: str, wide: str | None = None) -> None:
-        """Weight-only `int8` (`linear.Int8Weight`) or `int4` (`linear.Int4Weight`) for every layer matrix and the
+        """Weight-only `int8` (`quantized.Int8Weight`) or `int4` (`quantized.Int4Weight`) for every layer matrix and the
         LM head. The model must be in bfloat16, which its activations, norms, embedding and KV cache stay in;
         restrict the head first. wide (int4): keep an `int8` or `float32` copy for calls of many rows
         (`Int4Weight.wide`)."""

@@ -5,10 +5,10 @@ native bfloat16 arithmetic (AVX512-BF16 or AMX) bfloat16 halves those bytes and 
 as fast (measured on a Zen 5 EPYC, 12 of Qwen2.5-1.5B's 1536 x 8960 MLP matrices: float32 16.8 / 25.0 / 76.7 ms at
 1 / 16 / 80 rows, bfloat16 8.5 / 12.8 / 42.1). Without it bfloat16 is emulated and much slower (an AVX2-only EPYC,
 2 threads, one 8960 x 1536 matrix at one row: 145 ms in bfloat16, 7.5 ms in float32), so `auto` (either model's)
-picks float32 there. `int8` is weight-only int8 (`linear.Int8Weight`) with bfloat16 everything else: faster still at
-one to four rows, slower from about sixteen. `int4` (the draft only: `linear.Int4Weight`) streams a quarter of
+picks float32 there. `int8` is weight-only int8 (`quantized.Int8Weight`) with bfloat16 everything else: faster still at
+one to four rows, slower from about sixteen. `int4` (the draft only: `quantized.Int4Weight`) streams a quarter of
 bfloat16's bytes, about 3x faster at one row; from five rows its calls go to an int8 copy with int8 activations
-(`linear.Int8Dynamic`), whose batch-wide activation scale only a draft may have.
+(`quantized.Int8Dynamic`), whose batch-wide activation scale only a draft may have.
 
 The draft only proposes, so its type never touches losslessness. The target's type changes its outputs (each type
 is its own model): lossless means every lossless policy reproduces `ar` run at the *same* target dtype, token for

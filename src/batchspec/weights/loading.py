@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from batchspec.errors import BatchspecError
 from batchspec.runtime.config import ModelConfig
 from batchspec.runtime.device import check_precision_on, resolve_device
-from batchspec.runtime.linear import onednn_available, onednn_int8_available
+from batchspec.runtime.onednn import onednn_available, onednn_int8_available
 from batchspec.weights import known_models
 from batchspec.weights.gguf_conversion import (GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, convert_gguf, gguf_config,
                                                gguf_state_dict, unpermute_rope)
