@@ -108,12 +108,16 @@ class Float32Wide:
     """An int4 draft's float32 copy of a matrix for calls of many rows, on oneDNN's packed layout: where the CPU has
     no int8 dot products for `Int8Dynamic` (AVX2). Measured on an AMD EPYC (AVX2, 2 threads; the 0.5B draft's whole
     forward): the int4 kernel 118 ms at 8 rows, 172 at 16 and 1,648 at a 150-token prefill, float32 133 / 135 / 792.
-    Four times int4's bytes (the 0.5B draft: ~2 GiB), for a prefill twice as fast."""
+    Four times int4's bytes (the 0.5B draft: ~2 GiB), for a prefill twice as fast.
+
+    The int4 kernel works in blocks of 4 rows, so its cost steps at 5 and 9 rows. Decode forwards of that draft by
+    rows (ms, two rounds, the copy from 12 rows / from 5): 5-6 rows 118-124 / 113-128, 7-8 rows 120-127 / 136-142,
+    9-11 rows 180-192 / 142-175, 12 rows 172-180 both. So the copy takes the calls of 9 rows and more."""
 
     packed: torch.Tensor  # oneDNN's float32 layout of the (out, in) values
     shape: torch.Size
 
-    ROWS = 12  # from this many rows on (between the two measured crossovers above)
+    ROWS = 9  # from this many rows on: where the int4 kernel starts its third block of 4 rows
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> Float32Wide:
