@@ -16,22 +16,21 @@ from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import make_policy
 from batchspec.spec.policies.exploration import Exploration
 from batchspec.spec.policies.goodput import (Goodput, capacity_rates, drafting_time, goodput_capacity,
-                                             goodput_draft_lengths, goodput_windows, objective, padded_rows,
-                                             pass_times, smallest_step)
+                                             goodput_draft_lengths, goodput_windows, padded_rows, pass_times,
+                                             smallest_step)
 from batchspec.spec.policies.tetris import _top_capacity_windows
 from batchspec.spec.proposal import replay_drafting, undrafted
 from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
 
 
-def _brute_force_rate(survival: np.ndarray, seconds, price: float | None = None) -> float:
-    """Best expected tokens per second (with a price: tokens - price * seconds) over every window assignment (each
-    request: a prefix of its drafts)."""
+def _brute_force_rate(survival: np.ndarray, seconds) -> float:
+    """Best expected tokens per second over every window assignment (each request: a prefix of its drafts)."""
     batch, width = survival.shape
-    best = -np.inf
+    best = 0.0
     for windows in itertools.product(range(width + 1), repeat=batch):
         chosen = sum(int(w) for w in windows)
         expected = batch + sum(survival[i, :w].sum() for i, w in enumerate(windows))
-        best = max(best, objective(expected, float(seconds(np.array([chosen]))[0]), price))
+        best = max(best, expected / float(seconds(np.array([chosen]))[0]))
     return best
 
 
@@ -53,59 +52,6 @@ def test_goodput_capacity_equals_brute_force(batch, width, seed, per_row, step_r
     assert windows.tolist() == _top_capacity_windows(torch.from_numpy(survival), capacity).tolist()
     rate = (batch + sum(survival[i, :w].sum() for i, w in enumerate(windows))) / float(seconds(np.array([capacity]))[0])
     assert abs(rate - _brute_force_rate(survival, seconds)) < 1e-9
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 10_000), st.floats(0.0, 0.5), st.integers(1, 4),
-       st.floats(0.0, 8.0))
-def test_capacity_at_a_price_equals_brute_force(batch, width, seed, per_row, step_rows, price):
-    """With the step's seconds priced at the run's rate, the windows are the top-C prefix with the most expected
-    tokens - price * seconds over every window assignment; at the price of the step's own best rate they reach that
-    rate (Dinkelbach: max tokens - R* seconds = 0 exactly at the plans of rate R*)."""
-    rng = np.random.default_rng(seed)
-    survival = np.cumprod(rng.uniform(0.0, 1.0, (batch, width)), axis=1)
-    table = RowTimeTable(tuple(range(1, 16)), tuple(1.0 + per_row * ((r + step_rows - 1) // step_rows)
-                                                   for r in range(1, 16)))
-
-    def seconds(capacity):
-        return 0.2 + table(batch + capacity)
-
-    times = seconds(np.arange(batch * width + 1))
-
-    def value(windows, price):
-        chosen = int(windows.sum())
-        return objective(batch + sum(survival[i, :w].sum() for i, w in enumerate(windows)), times[chosen], price)
-
-    windows = goodput_windows(survival, times, price=price)
-    assert windows.sum() == goodput_capacity(survival, times, price)
-    assert windows.tolist() == _top_capacity_windows(torch.from_numpy(survival), int(windows.sum())).tolist()
-    assert value(windows, price) >= _brute_force_rate(survival, seconds, price) - 1e-9
-    own = float(capacity_rates(survival, times).max())
-    assert value(goodput_windows(survival, times, price=own), None) == pytest.approx(own, rel=1e-9)
-
-
-def test_a_price_below_the_steps_own_rate_verifies_more():
-    """An easy step in a slow run verifies drafts its own best rate would leave out, and a hard step in a fast run
-    verifies fewer."""
-    survival = np.cumprod(np.full((2, 4), 0.8), axis=1)
-    times = 1.0 + 0.15 * np.arange(9)
-    own = goodput_windows(survival, times)
-    rate = float(capacity_rates(survival, times).max())
-    assert goodput_windows(survival, times, price=0.5 * rate).sum() > own.sum() > 0
-    assert goodput_windows(survival, times, price=2.0 * rate).sum() < own.sum()
-
-
-def test_the_price_is_the_runs_decayed_rate():
-    goodput = Goodput(max_draft=4)
-    assert goodput.price is None  # nothing seen: each step at its own rate
-    goodput.account(10, 2.0)
-    assert goodput.price == pytest.approx(5.0)
-    goodput.account(30, 2.0)
-    decay = Goodput.price_decay
-    assert goodput.price == pytest.approx((10 * decay + 30) / (2.0 * decay + 2.0))
-    unpriced = Goodput(max_draft=4, priced=False)
-    unpriced.account(10, 2.0)
-    assert unpriced.price is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -198,40 +144,36 @@ def test_draft_lengths_draft_when_it_pays_and_not_otherwise():
     assert _lengths(survival, 4, _cost(draft_step=0.3, per_row=0.05)) == [3] * 4  # in between
 
 
-def _plan_rate(expected: np.ndarray, lengths: np.ndarray, passes: np.ndarray, target: np.ndarray,
-               price: float | None = None) -> float:
-    """Predicted tokens per second (with a price: `objective`) of drafting `lengths` and verifying every draft; for
-    one K' for all, the best of that and of verifying only the goodput-best C of them (`goodput_draft_lengths`' two
-    families)."""
+def _plan_rate(expected: np.ndarray, lengths: np.ndarray, passes: np.ndarray, target: np.ndarray) -> float:
+    """Predicted tokens per second of drafting `lengths` and verifying every draft; for one K' for all, the best of
+    that and of verifying only the goodput-best C of them (`goodput_draft_lengths`' two families)."""
     batch = len(lengths)
     gained = sum(expected[i, :n].sum() for i, n in enumerate(lengths))
-    rate = objective(batch + gained, drafting_time(lengths, passes) + target[int(lengths.sum())], price)
+    rate = (batch + gained) / (drafting_time(lengths, passes) + target[int(lengths.sum())])
     if lengths.min() == lengths.max() and lengths[0] > 0:
         k_prime = int(lengths[0])
-        rate = max(rate, float(capacity_rates(expected[:, :k_prime], k_prime * passes[batch] + target, price).max()))
+        rate = max(rate, float(capacity_rates(expected[:, :k_prime], k_prime * passes[batch] + target).max()))
     return rate
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 10_000), st.floats(0.0, 0.3), st.floats(0.0, 0.2),
-       st.floats(0.0, 0.2), st.integers(1, 4), st.one_of(st.none(), st.floats(0.1, 8.0)))
-def test_draft_lengths_are_the_best_plan(batch, width, seed, per_draft, pass_fixed, per_row, step_rows, price):
+       st.floats(0.0, 0.2), st.integers(1, 4))
+def test_draft_lengths_are_the_best_plan(batch, width, seed, per_draft, pass_fixed, per_row, step_rows):
     """Request by request, never predicted worse than any one K' for all; with a draft pass costing the same per
-    row (no fixed part), the best of every assignment of lengths (brute force), whatever the target's staircase;
-    at a price as at the step's own rate."""
+    row (no fixed part), the best of every assignment of lengths (brute force), whatever the target's staircase."""
     rng = np.random.default_rng(seed)
     expected = np.cumprod(rng.uniform(0.0, 1.0, (batch, width)) ** rng.uniform(0.2, 3.0, (batch, 1)), axis=1)
     passes = np.array([0.0, *(pass_fixed + per_draft * rows for rows in range(1, batch + 1))])
     target = 1.0 + per_row * ((batch + np.arange(batch * width + 1) + step_rows - 1) // step_rows)
-    lengths = goodput_draft_lengths(expected, passes, target, price=price)
-    plain = objective(batch, target[0], price)
-    chosen = _plan_rate(expected, lengths, passes, target, price) if lengths.any() else plain
+    lengths = goodput_draft_lengths(expected, passes, target)
+    chosen = _plan_rate(expected, lengths, passes, target) if lengths.any() else batch / target[0]
     for k_prime in range(1, width + 1):
-        assert chosen >= _plan_rate(expected, np.full(batch, k_prime), passes, target, price) - 1e-12
+        assert chosen >= _plan_rate(expected, np.full(batch, k_prime), passes, target) - 1e-12
     if pass_fixed == 0.0:
         for plan in itertools.product(range(width + 1), repeat=batch):
             plan = np.array(plan)
-            assert chosen >= (_plan_rate(expected, plan, passes, target, price) if plan.any() else plain) - 1e-12
+            assert chosen >= (_plan_rate(expected, plan, passes, target) if plan.any() else batch / target[0]) - 1e-12
 
 
 @settings(max_examples=60, deadline=None)
@@ -311,7 +253,7 @@ def test_a_short_burst_of_drafting_after_an_exploration_does_not_reset_the_wait(
 
     script: list[int] = []
     monkeypatch.setattr(goodput_module, "goodput_draft_lengths",
-                        lambda expected, passes, target, pad_s=0.0, done=0, spent=0.0, price=None:
+                        lambda expected, passes, target, pad_s=0.0, done=0, spent=0.0:
                         np.full(len(expected), script.pop(0)))
     goodput = Goodput(max_draft=4)
     goodput.survival(np.log(np.full((1, 4), 0.5)), (0,))
@@ -455,20 +397,16 @@ def test_depth_rates_keep_acceptance_that_falls_with_depth():
 
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 6), st.integers(2, 6), st.integers(0, 10_000), st.floats(0.0, 0.3), st.integers(1, 4),
-       st.floats(0.0, 2.0), st.one_of(st.none(), st.floats(0.1, 10.0)))
-def test_pruned_drafting_keeps_every_draft_goodput_verifies(batch, width, seed, per_row, step_rows, drafting_s,
-                                                            price):
+       st.floats(0.0, 2.0))
+def test_pruned_drafting_keeps_every_draft_goodput_verifies(batch, width, seed, per_row, step_rows, drafting_s):
     """With `goodput_keep_drafting` the goodput-best windows are those of drafting everything, for linear and
-    staircase step times alike, at the step's own rate and at the run's (a price); on a linear one, hopeless
-    requests do stop early."""
+    staircase step times alike; on a linear one, hopeless requests do stop early."""
     rng = np.random.default_rng(seed)
     q = rng.uniform(0.0, 1.0, (batch, width)) ** rng.uniform(0.2, 3.0, (batch, 1))  # easy and hard requests
     logprobs = torch.from_numpy(np.log(q))
     goodput = Goodput(width)
     for _ in range(3):  # a calibration that has seen some outcomes
         goodput.observe(np.log(rng.uniform(size=(batch, width))), np.full(batch, width), rng.integers(0, width, batch))
-    if price is not None:
-        goodput.account(price, 1.0)
     table = RowTimeTable(tuple(range(1, 64)), tuple(1.0 + per_row * ((r + step_rows - 1) // step_rows)
                                                    for r in range(1, 64)))
 
@@ -482,8 +420,8 @@ def test_pruned_drafting_keeps_every_draft_goodput_verifies(batch, width, seed, 
         return torch.from_numpy(goodput.keep_drafting(so_far.numpy(), drafting.numpy(), times, step))
 
     drafted = replay_drafting(rule, logprobs)
-    pruned = goodput_windows(goodput.survival(undrafted(logprobs, drafted).numpy()), times, price=goodput.price)
-    full = goodput_windows(goodput.survival(logprobs.numpy()), times, price=goodput.price)
+    pruned = goodput_windows(goodput.survival(undrafted(logprobs, drafted).numpy()), times)
+    full = goodput_windows(goodput.survival(logprobs.numpy()), times)
     assert pruned.tolist() == full.tolist()
     assert np.all(pruned <= drafted.numpy())
     if step_rows > 1 or per_row == 0.0:

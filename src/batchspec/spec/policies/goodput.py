@@ -2,17 +2,11 @@
 
 Per step: each request's draft length (0 = none; all 0: a plain decoding step, the draft does not run) before
 drafting, from the survival its positions have had lately; after drafting, the capacity C from every draft's own
-estimate. Both weigh a step's expected emitted tokens, B + (sum of the verified drafts' survivals), against its
-seconds, T_draft + T_target(B + C rows): the draft passes, each over the requests still drafting, and one target
-pass, with both models' times by rows from this machine's profile (`spec.step_time.StepCost`). Survival of draft j of
-request i = prod_{t<=j} P(accept | q[i, t]), the calibrated acceptance of earlier steps' outcomes
+estimate. Both maximise expected emitted tokens per second of the whole step, B + (sum of the verified drafts'
+survivals) over T_draft + T_target(B + C rows): the draft passes, each over the requests still drafting, and one
+target pass, with both models' times by rows from this machine's profile (`spec.step_time.StepCost`). Survival of
+draft j of request i = prod_{t<=j} P(accept | q[i, t]), the calibrated acceptance of earlier steps' outcomes
 (`spec.calibration`): draft-side information only, so verification stays lossless whatever is chosen.
-
-How they are weighed (`objective`): with no price, the step's own tokens per second; with a price lambda (tokens per
-second), tokens - lambda * seconds. A run's throughput is a ratio of sums, and it is at its best when every step
-maximises tokens - lambda * seconds at lambda = that best throughput (Dinkelbach): a step easier than the run's
-average then spends more than its own best rate would (each further draft pays while it brings more than lambda per
-second it adds), a harder one less. `Goodput.price` is the run's rate so far, which iterating converges to it.
 """
 
 from __future__ import annotations
@@ -23,14 +17,8 @@ from batchspec.spec.calibration import AcceptanceCalibration, bin_of
 from batchspec.spec.policies.exploration import Exploration
 
 
-def objective(tokens, seconds, price: float | None = None):
-    """What a plan is worth: its tokens per second (price None), or tokens - price * seconds (module docstring)."""
-    return tokens / seconds if price is None else tokens - price * seconds
-
-
-def capacity_rates(survival: np.ndarray, times: np.ndarray, price: float | None = None) -> np.ndarray:
-    """(B*K' + 1,) expected tokens per second (with a price: `objective`) when the target verifies the top-C drafts,
-    C = 0, 1, ..., B*K'.
+def capacity_rates(survival: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """(B*K' + 1,) expected tokens per second when the target verifies the top-C drafts, C = 0, 1, ..., B*K'.
 
     survival (B, K'), non-increasing along K' (so the top-C set is prefix-closed per request); every request emits
     one token more than its accepted drafts, hence B. times: the step's seconds verifying C = 0, 1, ... drafts (the
@@ -38,13 +26,12 @@ def capacity_rates(survival: np.ndarray, times: np.ndarray, price: float | None 
     """
     ranked = np.sort(survival, axis=None)[::-1]  # (B*K',)
     expected = survival.shape[0] + np.concatenate([[0.0], np.cumsum(ranked)])
-    return objective(expected, times[:len(expected)], price)
+    return expected / times[:len(expected)]
 
 
-def goodput_capacity(survival: np.ndarray, times: np.ndarray, price: float | None = None) -> int:
-    """The C with the most expected tokens per second, or with a price the most `objective` (the smallest C on ties;
-    0 = verify nothing)."""
-    return int(np.argmax(capacity_rates(survival, times, price)))
+def goodput_capacity(survival: np.ndarray, times: np.ndarray) -> int:
+    """The C with the most expected tokens per second (the smallest on ties; 0 = verify nothing)."""
+    return int(np.argmax(capacity_rates(survival, times)))
 
 
 def padded_rows(columns: np.ndarray, batch_size: int) -> np.ndarray:
@@ -54,10 +41,8 @@ def padded_rows(columns: np.ndarray, batch_size: int) -> np.ndarray:
     return batch_size * (np.maximum.accumulate(columns) + 1) - np.arange(1, len(columns) + 1)
 
 
-def goodput_windows(survival: np.ndarray, times: np.ndarray, pad_s: float = 0.0,
-                    price: float | None = None) -> np.ndarray:
-    """Windows (B,) of the top-C drafts by survival at the goodput-best C (`objective` at `price`): one stable sort
-    serves both.
+def goodput_windows(survival: np.ndarray, times: np.ndarray, pad_s: float = 0.0) -> np.ndarray:
+    """Windows (B,) of the top-C drafts by survival at the goodput-best C: one stable sort serves both.
 
     A stable sort of -survival in row-major order keeps each row's positions in order (survival is non-increasing
     along K'), so every prefix of it is prefix-closed per request, also under ties. pad_s: the target's seconds per
@@ -71,9 +56,9 @@ def goodput_windows(survival: np.ndarray, times: np.ndarray, pad_s: float = 0.0,
     seconds = times[1:len(order) + 1]  # C = 1, ..., B*K'
     if pad_s:
         seconds = seconds + pad_s * padded_rows(order % k_prime, batch_size)
-    rates = objective(expected, seconds, price)
+    rates = expected / seconds
     best = int(np.argmax(rates))
-    capacity = best + 1 if rates[best] > objective(batch_size, times[0], price) else 0  # C = 0 wins ties
+    capacity = best + 1 if rates[best] > batch_size / times[0] else 0  # C = 0 wins ties, as in `goodput_capacity`
     return np.bincount(order[:capacity] // k_prime, minlength=batch_size)
 
 
@@ -82,22 +67,19 @@ def smallest_step(times: np.ndarray) -> float:
     return float(np.diff(times).min()) if len(times) > 1 else 0.0
 
 
-def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.ndarray, step: float,
-                          price: float | None = None) -> np.ndarray:
+def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.ndarray, step: float) -> np.ndarray:
     """Which of the requests still drafting may yet have a draft that `goodput_windows` verifies. (B,) bool.
 
     survival (B, j): every draft so far, 0 past the end of a request that stopped; times: the step's seconds by C;
     step: their `smallest_step`. The last draft the goodput-best C* verifies adds at least the step's rate times the
     time it adds (else C* - 1 would be better): its survival is >= R* (T(C*) - T(C* - 1)) >= R_known * step, where
-    R_known, the best rate of the drafts so far alone, is <= R* (more drafts only raise the sorted survivals); with a
-    price, >= price * step the same way. Request i's later drafts survive at most as much as its current one; below
-    that bound none of them can be verified, and it stops. A staircase T (steps of 0) keeps every request drafting:
-    verification is free until the next step up.
+    R_known, the best rate of the drafts so far alone, is <= R* (more drafts only raise the sorted survivals). Request
+    i's later drafts survive at most as much as its current one; below that bound none of them can be verified, and it
+    stops. A staircase T (steps of 0) keeps every request drafting: verification is free until the next step up.
     """
     if step <= 0.0:
         return drafting
-    rate = float(capacity_rates(survival, times).max()) if price is None else price
-    bound = rate * step * (1.0 - 1e-9)  # a margin for rounding
+    bound = float(capacity_rates(survival, times).max()) * step * (1.0 - 1e-9)  # a margin for rounding
     return drafting & (survival[:, -1] >= bound)
 
 
@@ -113,10 +95,9 @@ def drafting_time(lengths: np.ndarray, passes: np.ndarray) -> float:
     return float(passes[per_pass].sum())
 
 
-def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.ndarray, pad_s: float = 0.0,
-                          done: int = 0, spent: float = 0.0, price: float | None = None) -> np.ndarray:
-    """Draft lengths (B,) for the most expected tokens per second of the step (with a price: the most `objective`).
-    int64, 0 = none.
+def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.ndarray,
+                          pad_s: float = 0.0, done: int = 0, spent: float = 0.0) -> np.ndarray:
+    """Draft lengths (B,) for the most expected tokens per second of the step. int64, 0 = none.
 
     expected (B, K): each request's predicted survival of positions 1..K, non-increasing along K; passes: one draft
     pass's seconds by rows (`pass_times`); target (B*K + 1,): the target's seconds over B + C rows, C = 0..B*K;
@@ -143,11 +124,10 @@ def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.n
     seconds = spent + np.cumsum(added) + target[1:len(order) + 1]
     if pad_s:
         seconds += pad_s * padded_rows(columns, batch)
-    rates = objective(batch + np.cumsum(flat[order]), seconds, price)
+    rates = (batch + np.cumsum(flat[order])) / seconds
     best = int(np.argmax(rates))
     lengths = np.zeros(batch, dtype=np.int64)
-    # Drafting started: any plan beats none (K' = done below stops it).
-    best_rate = objective(batch, float(target[0]), price) if not done else -np.inf
+    best_rate = batch / float(target[0]) if not done else 0.0  # drafting started: K' = done below stops it
     if rates[best] > best_rate:
         lengths, best_rate = np.bincount(order[:best + 1] // width, minlength=batch), float(rates[best])
     if batch == 1:  # one request: every plan of one K' is a prefix above, drafted at least as long
@@ -156,12 +136,12 @@ def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.n
     for k_prime in range(max(done, 1), width + 1):
         times = spent + (k_prime - done) * passes[batch] + target
         if pad_s:  # as `goodput_windows` will choose C, uneven windows priced
-            windows = goodput_windows(expected[:, :k_prime], times, pad_s, price)
+            windows = goodput_windows(expected[:, :k_prime], times, pad_s)
             verified = int(windows.sum())
-            rate = objective(batch + float(prefix[np.arange(batch), windows].sum()),
-                             times[verified] + pad_s * (batch * int(windows.max()) - verified), price)
+            rate = ((batch + float(prefix[np.arange(batch), windows].sum()))
+                    / (times[verified] + pad_s * (batch * int(windows.max()) - verified)))
         else:
-            rate = float(capacity_rates(expected[:, :k_prime], times, price).max())
+            rate = float(capacity_rates(expected[:, :k_prime], times).max())
         if rate > best_rate:
             lengths, best_rate = np.full(batch, k_prime, dtype=np.int64), rate
     return lengths
@@ -174,13 +154,10 @@ class Goodput:
     explore_after = 8  # plain decoding steps before one draft is tried again (acceptance may have risen);
     explore_most = 64  # the wait doubles up to this while drafting keeps not paying
     near = 0.9  # ... unless one draft per request is predicted at least this fraction of plain decoding's rate
-    price_decay = 0.99  # the run's rate (`price`): tokens and seconds of earlier steps, decayed by this per step
 
-    def __init__(self, max_draft: int, decay: float = 0.8, priced: bool = True) -> None:
+    def __init__(self, max_draft: int, decay: float = 0.8) -> None:
         self.max_draft = max_draft
         self.decay = decay
-        self.priced = priced  # weigh plans at the run's rate (`price`); False: each step at its own best rate
-        self._run = np.zeros(2)  # decayed (tokens emitted, predicted seconds) of the steps so far
         self.calibration = AcceptanceCalibration()
         self.expected_survival: np.ndarray | None = None  # (max_draft,) recent mean survival per position
         self._requests: tuple = ()  # the requests of the last step, in row order
@@ -190,19 +167,7 @@ class Goodput:
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
         self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
         self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
-        self._best: tuple | None = None  # (requests, costs, price, lengths) of the last choice, while they hold
-
-    @property
-    def price(self) -> float | None:
-        """The run's rate so far, emitted tokens per predicted second (None before any step, or when not `priced`):
-        what each plan's seconds are priced at (`objective`)."""
-        return float(self._run[0] / self._run[1]) if self.priced and self._run[1] > 0.0 else None
-
-    def account(self, tokens: int, seconds: float) -> None:
-        """A step's emitted tokens and its seconds as the step-cost model predicts them (the units plans are priced
-        in: the model's error cancels out of the choice)."""
-        self._run *= self.price_decay
-        self._run += (tokens, seconds)
+        self._best: tuple | None = None  # (requests, costs, lengths) of the last choice, until survival changes
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
         # Bin 0 (-inf: not drafted, the request stopped early) has rate 0: survives nothing.
@@ -297,7 +262,7 @@ class Goodput:
         """`goodput_keep_drafting` on the drafts so far (B, j), as `survival` will estimate them."""
         if step <= 0.0:  # every request drafts on (`goodput_keep_drafting`): no estimate needed
             return drafting
-        return goodput_keep_drafting(self.estimate(logprobs), drafting, times, step, self.price)
+        return goodput_keep_drafting(self.estimate(logprobs), drafting, times, step)
 
     def draft_on(self, logprobs: np.ndarray, drafting: np.ndarray, passes: np.ndarray, target: np.ndarray,
                  pad_s: float = 0.0) -> np.ndarray:
@@ -317,7 +282,7 @@ class Goodput:
         # Continued past its drafts while drafting; a request that stopped drafts nothing more.
         expected = self._continued(survival)  # (B, max_draft)
         expected[np.arange(self.max_draft) >= np.where(drafting, self.max_draft, made)[:, None]] = 0.0
-        lengths = goodput_draft_lengths(expected, passes, target, pad_s, done, drafting_time(made, passes), self.price)
+        lengths = goodput_draft_lengths(expected, passes, target, pad_s, done, drafting_time(made, passes))
         return drafting & (lengths > done)
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
@@ -333,12 +298,11 @@ class Goodput:
         self.exploring = False
         if self.expected_survival is None:
             return np.full(len(requests), self.max_draft, dtype=np.int64)
-        price = self.price
-        if self._best is not None and self._best[0] == requests and self._best[1] is target and self._best[2] == price:
-            lengths = self._best[3]  # nothing learned since: the same choice
+        if self._best is not None and self._best[0] == requests and self._best[1] is target:
+            lengths = self._best[2]  # nothing learned since (plain decoding steps): the same choice
         else:
-            lengths = goodput_draft_lengths(self._own_rows(requests), passes, target, pad_s, price=price)
-            self._best = requests, target, price, lengths
+            lengths = goodput_draft_lengths(self._own_rows(requests), passes, target, pad_s)
+            self._best = requests, target, lengths
         if lengths.any():
             self._exploration.drafted()
             return lengths
@@ -349,7 +313,6 @@ class Goodput:
             return one_each >= self.near * batch / target[0]
 
         if not self._exploration.explores(near):
-            self.account(batch, float(target[0]))  # a plain decoding step
             return lengths
         self.exploring = True
         return np.ones(batch, dtype=np.int64)

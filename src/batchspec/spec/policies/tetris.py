@@ -135,9 +135,6 @@ class TetrisPolicy(Policy):
     # With `capacity="auto"`: re-plan the draft lengths after each draft pass on what the drafts say (off: only the
     # exact pruning, which never changes the windows).
     replans = True
-    # With `capacity="auto"`: price each plan's seconds at the run's rate so far (`Goodput.price`; off: each step at
-    # its own best tokens per second).
-    prices = True
     description = "top-C cumulative acceptance across the batch"
 
     def __init__(self, spec, verifier=None) -> None:
@@ -147,10 +144,9 @@ class TetrisPolicy(Policy):
         # Calibrated acceptance, learned from every verification: what goodput mode and tetris_scores="calibrated"
         # rank by.
         self.calibrated = self.auto or spec.tetris_scores == "calibrated"
-        self.goodput = Goodput(self.max_draft_length(), priced=self.prices) if self.calibrated else None
+        self.goodput = Goodput(self.max_draft_length()) if self.calibrated else None
         self._costs = None  # (cost model, {B: (draft pass times by rows, target times by C)}) of the steps seen
         self._planned = None  # (plan, its `_step_times`) of the current step
-        self._seconds: float | None = None  # the current goodput step's predicted seconds, from `select` to `observe`
 
     @classmethod
     def validate(cls, spec, batch_size: int) -> None:
@@ -253,12 +249,8 @@ class TetrisPolicy(Policy):
                 logprobs = np.where(np.arange(k_prime) < lengths[:, None], logprobs, -np.inf)
             survival = self.goodput.survival(logprobs, plan.requests)  # (B, K')
             if self.goodput.exploring:  # an exploration learns only from drafts the target verifies
-                windows = np.minimum(lengths, proposal.drafted.numpy())
-            else:
-                windows = goodput_windows(survival, self._step_times(plan, batch_size), plan.step_time.pad_s,
-                                          self.goodput.price)
-            self._seconds = self._predicted_seconds(plan, proposal.drafted.numpy(), windows)
-            return torch.from_numpy(windows)
+                return torch.minimum(torch.from_numpy(lengths), proposal.drafted)
+            return torch.from_numpy(goodput_windows(survival, self._step_times(plan, batch_size), plan.step_time.pad_s))
         if self.calibrated:  # top-C by calibrated survival
             return _top_capacity_windows(torch.from_numpy(self.goodput.survival(proposal.logprobs.numpy())),
                                          plan.capacity)
@@ -267,18 +259,6 @@ class TetrisPolicy(Policy):
                   else proposal.logprobs)
         return tetris_windows(scores, plan.capacity)
 
-    def _predicted_seconds(self, plan: Plan, drafted: np.ndarray, windows: np.ndarray) -> float:
-        """The step's seconds as the cost model prices what ran: the draft passes made, the target over B + C rows
-        and its padded attention rows."""
-        batch_size = len(windows)
-        passes, target = self._step_costs(plan.step_time, batch_size)
-        verified = int(windows.sum())
-        padded = batch_size * (int(windows.max(initial=0)) + 1) - (batch_size + verified)
-        return drafting_time(drafted, passes) + float(target[verified]) + plan.step_time.pad_s * padded
-
     def observe(self, proposal, windows: list[int], accepted: list[int]) -> None:
         if self.calibrated:
             self.goodput.observe(proposal.logprobs.numpy(), np.asarray(windows), np.asarray(accepted))
-        if self._seconds is not None:  # a goodput step: the run's rate, what the next plans are priced at
-            self.goodput.account(len(windows) + sum(accepted), self._seconds)
-            self._seconds = None
