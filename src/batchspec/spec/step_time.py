@@ -232,8 +232,8 @@ def row_grid(max_rows: int) -> list[int]:
 
     Every row count up to 9, and 12: a draft's kernels change there (the int4 kernel works in blocks of 4 rows, so
     its cost steps at 5 and 9 and its third block ends at 12; `Int4Weight.WIDE_ROWS` = 5 and `Float32Wide.ROWS` = 9
-    hand calls to its int8 or float32 copy). On an AVX2 EPYC the 0.5B int4
-    draft took 64 ms at 4 rows and 136 at 6 and 8, so 5 rows interpolated between 4 and 6 were priced 100."""
+    hand calls to its int8 or float32 copy). On an AVX2 EPYC the 0.5B int4 draft took 64 ms at 4 rows and 136 at 6
+    and 8, so 5 rows interpolated between 4 and 6 were priced 100."""
     grid = {*range(1, 10), 12, max(max_rows, 1)}
     grid |= {r for m in range(16, max_rows + 16, 16) for r in (m - 1, m, m + 1)}
     return sorted(r for r in grid if r <= max(max_rows, 1))
