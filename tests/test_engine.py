@@ -85,3 +85,10 @@ def test_chunked_prefill_equals_whole_prompts(default_model, engine):
                   max_batch_size=3, prefill_chunk=16)
     assert [o.token_ids for o in pair.generate(prompts, params, chat=True)] == whole
     assert pair.metrics()["vsr"] > 0.1
+
+
+def test_draft_pass_rows_count_the_requests_still_drafting_and_the_first_pass_catch_up():
+    from batchspec.engine.engine import draft_pass_rows
+
+    assert draft_pass_rows([3, 1, 0], [5, 0, 7]) == [2 + 5, 1, 1]  # the third request drafted nothing: no catch-up
+    assert draft_pass_rows([0, 0], [4, 4]) == []

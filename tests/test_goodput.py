@@ -15,9 +15,9 @@ from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import make_policy
 from batchspec.spec.policies.exploration import Exploration
-from batchspec.spec.policies.goodput import (Goodput, capacity_rates, drafting_time, goodput_capacity,
-                                             goodput_draft_lengths, goodput_windows, padded_rows, pass_times,
-                                             smallest_step)
+from batchspec.spec.policies.goodput import (CatchUp, Goodput, capacity_rates, catch_up_pays, drafting_time,
+                                             goodput_capacity, goodput_draft_lengths, goodput_plan, goodput_windows,
+                                             padded_rows, pass_times, smallest_step)
 from batchspec.spec.policies.tetris import _top_capacity_windows
 from batchspec.spec.proposal import replay_drafting, undrafted
 from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
@@ -215,6 +215,86 @@ def test_a_plan_made_while_drafting_prices_only_the_passes_to_come(batch, width,
         goodput_draft_lengths(expected, passes, target).tolist()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 3), st.integers(1, 3), st.integers(0, 10_000), st.floats(0.0, 0.3), st.floats(0.0, 0.2),
+       st.integers(1, 4))
+def test_a_plan_drafts_only_for_the_requests_allowed_and_is_the_best_of_those(batch, width, seed, per_draft, per_row,
+                                                                             step_rows):
+    """`allowed` rows never draft (their token still costs a target row), and the plan is predicted at least as good
+    as every assignment of lengths to the others (brute force) and as one K' for all of them; its rate is the one
+    returned."""
+    rng = np.random.default_rng(seed)
+    expected = np.cumprod(rng.uniform(0.0, 1.0, (batch, width)) ** rng.uniform(0.2, 3.0, (batch, 1)), axis=1)
+    allowed = rng.uniform(size=batch) < 0.6
+    passes = np.array([0.0, *(per_draft * rows for rows in range(1, batch + 1))])
+    target = 1.0 + per_row * ((batch + np.arange(batch * width + 1) + step_rows - 1) // step_rows)
+    lengths, rate = goodput_plan(expected, passes, target, allowed=allowed)
+    assert not lengths[~allowed].any()
+    chosen = _plan_rate(expected, lengths, passes, target) if lengths.any() else batch / target[0]
+    drafters = int(allowed.sum())
+    for k_prime in range(1, width + 1):
+        if drafters:
+            one_each = np.where(allowed[:, None], expected[:, :k_prime], 0.0)
+            rate_k = float(capacity_rates(one_each, k_prime * passes[drafters] + target).max())
+            assert rate >= rate_k - 1e-12
+    for plan in itertools.product(range(width + 1), repeat=batch):
+        plan = np.array(plan)
+        if not plan[~allowed].any():
+            assert rate >= (_plan_rate(expected, plan, passes, target) if plan.any() else batch / target[0]) - 1e-12
+    assert rate >= chosen - 1e-12
+
+
+def test_a_catch_up_pays_where_a_requests_share_of_the_gain_covers_it():
+    """Requests 0 and 1 planned 2 drafts, 2 none; the plan gains 1/10 - 1/12 s per token the batch emits, a request's
+    share by its expected accepted drafts (1.7 and 0.7 of 2.4), over the 3 x 100 tokens the batch emits while it
+    runs: 3.54 s and 1.46 s, against 1 s and 2 s of catch-up."""
+    expected = np.array([[0.9, 0.8], [0.5, 0.2], [0.9, 0.9]])
+    lengths = np.array([2, 2, 0])
+    remaining = np.array([100, 100, 100])
+    pays = catch_up_pays(lengths, expected, 12.0, 10.0, np.array([1.0, 2.0, 0.0]), remaining)
+    assert pays.tolist() == [True, False, False]
+    assert catch_up_pays(lengths, expected, 12.0, 10.0, np.array([1.0, 1.4, 0.0]), remaining).tolist() == \
+        [True, True, False]
+    assert catch_up_pays(lengths, expected, 12.0, 10.0, np.zeros(3), np.array([100, 1, 100])).tolist() == \
+        [True, True, False]  # nothing owed: drafting pays
+    assert not catch_up_pays(lengths, expected, 10.0, 10.0, np.zeros(3), remaining).any()  # no gain at all
+
+
+def test_goodput_drafts_only_for_requests_whose_catch_up_pays():
+    """Two requests drafting alike, one with its whole 500-token prompt still to run in the draft (10 s): with 20 left
+    to emit it draws no drafts (the other drafts on), with 10,000 it does. Before anything is learned only the
+    request cheapest to catch up drafts, the cap; explorations try one draft on the requests caught up only."""
+    cost = _cost(draft_step=0.05, per_row=0.01)
+    passes, target = _costs(cost, 2, 4)
+
+    def owed(drafting: int, tokens: np.ndarray) -> np.ndarray:
+        return 0.02 * tokens  # 10 s for the prompt: more than 20 tokens of drafting save, less than 10,000
+
+    fresh = Goodput(max_draft=4)
+    first = fresh.draft_lengths((0, 1), passes, target, 0.0, CatchUp(np.array([500, 120]), np.array([128, 128]), owed))
+    assert first.tolist() == [0, 4]
+    goodput = Goodput(max_draft=4)
+    for _ in range(10):
+        goodput.survival(np.log(np.full((2, 4), 0.97)), (0, 1))
+        goodput.observe(np.log(np.full((2, 4), 0.97)), np.array([4, 4]), np.array([4, 4]))
+    assert goodput.draft_lengths((0, 1), passes, target).tolist() == [4, 4]
+    short = CatchUp(np.array([0, 500]), np.array([20, 20]), owed)
+    assert goodput.draft_lengths((0, 1), passes, target, 0.0, short).tolist() == [4, 0]
+    long = CatchUp(np.array([0, 500]), np.array([10_000, 10_000]), owed)
+    assert goodput.draft_lengths((0, 1), passes, target, 0.0, long).tolist() == [4, 4]
+    far = _cost(draft_step=5.0, per_row=0.01)  # drafting never pays: plain steps, then an exploration
+    explored = []
+    for _ in range(Goodput.explore_after):
+        lengths = goodput.draft_lengths((0, 1), *_costs(far, 2, 4), 0.0, short)
+        explored.append(lengths.tolist() if goodput.exploring else None)
+    assert explored[-1] == [1, 0] and explored[:-1] == [None] * (Goodput.explore_after - 1)
+    behind = CatchUp(np.array([3, 500]), np.array([20, 20]), owed)
+    assert all(goodput.draft_lengths((0, 1), *_costs(far, 2, 4), 0.0, behind).tolist() == [0, 0]
+               for _ in range(4 * Goodput.explore_after))  # no one caught up: no exploration
+    assert CatchUp(np.array([3, 7, 3]), np.zeros(3), owed).cheapest().tolist() == [True, False, True]
+    assert CatchUp(np.array([1, 0, 9]), np.zeros(3), owed).cheapest().tolist() == [True, True, False]
+
+
 def test_drafting_stops_for_a_request_whose_drafts_the_model_doubts():
     """Re-planned on the drafts so far: two requests that have always been accepted alike, one now drafting a token
     its draft model gives 0.1 and the other one it gives 0.99; only the confident one drafts on. Before any draft
@@ -252,9 +332,9 @@ def test_a_short_burst_of_drafting_after_an_exploration_does_not_reset_the_wait(
     import batchspec.spec.policies.goodput as goodput_module
 
     script: list[int] = []
-    monkeypatch.setattr(goodput_module, "goodput_draft_lengths",
-                        lambda expected, passes, target, pad_s=0.0, done=0, spent=0.0:
-                        np.full(len(expected), script.pop(0)))
+    monkeypatch.setattr(goodput_module, "goodput_plan",
+                        lambda expected, passes, target, pad_s=0.0, done=0, spent=0.0, allowed=None:
+                        (np.full(len(expected), script.pop(0)), 1.0))
     goodput = Goodput(max_draft=4)
     goodput.survival(np.log(np.full((1, 4), 0.5)), (0,))
     wait = Goodput.explore_after

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 import batchspec.spec.step_time as profiling
 from batchspec.weights.loading import load_model
 
@@ -96,3 +99,51 @@ def test_the_target_profile_prices_padded_attention_rows(tmp_path, monkeypatch, 
     assert abs(cost.pad_s - 0.0005 * 4 * 4 / (4 * 5 - 8)) < 1e-12 and cost.draft.pad_s == 0.0
     monkeypatch.setattr(profiling, "_time_ragged", lambda *args, **kwargs: 1 / 0)  # read back, never profiled again
     assert profiling.step_cost(target, draft, max_batch=4, k_max=2, max_draft=2) == cost
+
+
+def test_a_row_time_table_learns_what_forwards_take_and_stays_non_decreasing():
+    """A measured forward moves the points the interpolation reads, by their weights and `rate` of the error (capped
+    at half the prediction); repeated, the table converges to what the machine now takes; later points never fall
+    below earlier ones. The profile's own `seconds` stay as profiled."""
+    table = profiling.RowTimeTable((1, 10, 20), (1.0, 2.0, 3.0))
+    table.learn(10, 4.0, rate=0.5)  # error 2.0, capped at 1.0
+    assert float(table(10)) == 2.5 and table.version == 1 and table.seconds == (1.0, 2.0, 3.0)
+    table.learn(15, 2.0, rate=0.5)  # between 10 and 20, half each: predicted 2.75, error -0.75
+    assert np.allclose([table(1), table(10), table(20)], [1.0, 2.5 - 0.1875, 3.0 - 0.1875])
+    for _ in range(60):
+        table.learn(10, 4.0)
+    assert abs(float(table(10)) - 4.0) < 1e-6 and float(table(20)) >= float(table(10))
+    table.learn(40, 10.0, rate=1.0)  # past the end: the last point, by the ratio (prediction on the last slope)
+    assert float(table(20)) > 4.0
+
+
+def test_a_step_cost_shares_the_drafts_time_among_its_passes_as_predicted():
+    cost = profiling.StepCost(profiling.StepTimeModel(0.0, 0.0, 0.0, 0.0), profiling.RowTimeTable((1, 8), (1.0, 1.0)),
+                              profiling.RowTimeTable((1, 4, 132), (0.1, 0.2, 1.2)), catch_up=True)
+    cost.learn(12, 4, 1.0, [4, 4], 0.8)  # the draft took twice what it predicts: 0.4 per pass
+    assert float(cost.draft(4)) == pytest.approx(0.23 + 0.3 * 0.115)  # each pass 0.4: +0.3 x the capped error
+    assert cost.version == (1, 2)
+    assert cost.catch_up_s(4, np.array([0, 128])).tolist() == pytest.approx([0.0, 1.2 - float(cost.draft(4))])
+    assert profiling.StepCost(cost.model, cost.target, cost.draft).catch_up_s(4, np.array([9])) is None
+
+
+def test_a_point_learned_lower_lowers_the_points_before_it():
+    """A batch that always runs 16 rows learns that 16 rows got cheaper even where the profile timed 15 rows dearer:
+    the points before it come down with it (and a point learned higher raises the ones after it)."""
+    table = profiling.RowTimeTable((1, 15, 16, 32), (0.05, 0.11, 0.113, 0.14))
+    for _ in range(40):
+        table.learn(16, 0.085)
+    assert abs(float(table(16)) - 0.085) < 1e-4 and float(table(15)) <= float(table(16))
+    assert float(table(1)) == 0.05 and float(table(32)) == 0.14
+    for _ in range(40):
+        table.learn(15, 0.2)
+    assert float(table(16)) >= float(table(15)) > 0.19
+
+
+def test_a_forward_far_past_the_table_moves_its_last_point_by_ratio_not_to_zero():
+    """A draft pass that ran every prompt (2,000 rows, far past a table ending at 144) and took less than the last
+    slope predicts scales the last point down by at most half, never through zero (which would flatten the table)."""
+    table = profiling.RowTimeTable((1, 16, 144), (0.01, 0.02, 0.24))
+    for _ in range(20):
+        table.learn(2000, 1.0)
+    assert 0.0 < float(table(16)) <= 0.02 and float(table(144)) > 0.0

@@ -47,6 +47,15 @@ from batchspec.weights.loading import LoadedModel, check_draft_compatible, load_
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role": ..., "content": ...}]
 
 
+def draft_pass_rows(drafted: list[int], catch_up: list[int]) -> list[int]:
+    """Rows of each draft pass of a step: pass j runs over the requests that drafted more than j drafts, the first
+    one also over each drafting request's catch-up (the tokens its draft cache lacked)."""
+    rows = [sum(made > j for made in drafted) for j in range(max(drafted, default=0))]
+    if rows:
+        rows[0] += sum(lag for lag, made in zip(catch_up, drafted) if made)
+    return rows
+
+
 class Engine:
     """Batched generation with the target alone (`ar`), speculatively with a draft (sd, dsd, tetris, oracle; all
     lossless), or with SPRINTER's learned verifier (`sprinter`, approximate)."""
@@ -54,8 +63,9 @@ class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, spec: SpecConfig | None = None,
                  max_batch_size: int = 16, prefill_tokens: int = 2048, seed: int = 0,
                  step_time: StepTime | None = None, prefill_chunk: int | None = None) -> None:
-        """`step_time`: the step-cost model (dsd's T(B, k); a `StepCost` for tetris --capacity auto); None profiles this
-        machine when a run that needs it first opens. `prefill_chunk`: prompt tokens per prefill step (chunked
+        """`step_time`: the step-cost model (dsd's T(B, k); a `StepCost` for tetris --capacity auto), used as given;
+        None profiles this machine when a run that needs it first opens, and the engine's copy then keeps learning
+        from the forwards it times (`StepCost.learn`). `prefill_chunk`: prompt tokens per prefill step (chunked
         prefill), None for whole prompts (see the module docstring)."""
         if max_batch_size < 1:
             raise BatchspecError(f"batch size must be at least 1, got {max_batch_size}")
@@ -98,6 +108,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.seed = seed
         self.step_time = step_time
+        self._learns_costs = False  # whether `step_time` is this engine's own profile, kept current
         self.stats = RunStats()  # counters of the last `generate` (or, in a server, since the engine started)
         self.last_requests: list[Request] = []  # of the last `generate`, for metrics()
         self.scheduler: Scheduler | None = None  # of the open run
@@ -191,6 +202,9 @@ class Engine:
             self.step_time = step_cost(self.target.transformer, self.draft.transformer, self.max_batch_size,
                                        self.spec.k_max, self.policy.max_draft_length() if self.policy.needs_row_times
                                        else None)
+            self._learns_costs = True
+        if self._learns_costs and hasattr(self.step_time, "refresh"):
+            self.step_time.refresh(self.target.transformer, self.draft.transformer, num_slots)
         self.close()  # the previous run's caches go before the new ones are allocated
         self.runner = ModelRunner(self.target, self.draft if self.policy.speculative else None, num_slots, max_len)
         # Longest prompt + output a request may have: the cache, less one step's speculative overshoot.
@@ -272,10 +286,14 @@ class Engine:
 
     def _speculate(self, active: list[Request]) -> None:
         """One speculative step: 1 + accepted tokens per request, both caches rolled back to what was committed."""
-        plan = self.policy.plan(len(active), self.step_time, [r.index for r in active])
+        catch_up = [len(r.draft_pending) - 1 for r in active]  # what each request's draft cache lacks
+        plan = self.policy.plan(len(active), self.step_time, [r.index for r in active], catch_up=catch_up,
+                                remaining=[r.params.max_tokens - len(r.output_ids) for r in active])
         plan = plan.clamped(self.runner.room(active), len(active))
+        target_s, draft_s = self.stats.target_s, self.stats.draft_s
         if plan.k_prime == 0:
             self._decode(active)
+            self._learn_costs(len(active), [], [], self.stats.target_s - target_s, 0.0)
             self.runner.resync_draft(active)
             return
         on_measured = None
@@ -284,6 +302,9 @@ class Engine:
                 self._trace.record(active, logprobs, accept_probs, self.stats)
         result = self.runner.speculate(active, self.policy, plan, self.stats, measure=self._measures,
                                        on_measured=on_measured)
+        if not self._measures:  # a measured step's target time includes the oracle's pass
+            self._learn_costs(len(active), result.windows, draft_pass_rows(result.drafted, catch_up),
+                              self.stats.target_s - target_s, self.stats.draft_s - draft_s)
         before = self.stats.emitted_tokens
         now = time.perf_counter()
         for row, request in enumerate(active):
@@ -297,6 +318,14 @@ class Engine:
         self.runner.resync_draft(active)
         outcome = StepOutcome(self.stats.emitted_tokens - before, result.windows, result.accepted, result.expected)
         self.stats.record_step(len(active), outcome, keep_windows=self._keep_windows)
+
+    def _learn_costs(self, batch: int, windows: list[int], pass_rows: list[int], target_s: float,
+                     draft_s: float) -> None:
+        """Keep the step-cost model's tables current with what this step's forwards took (`StepCost.learn`)."""
+        learn = getattr(self.step_time, "learn", None) if self._learns_costs else None
+        if learn is not None:
+            rows = batch + sum(windows)
+            learn(rows, batch * (max(windows, default=0) + 1) - rows, target_s, pass_rows, draft_s)
 
     @property
     def _measures(self) -> bool:

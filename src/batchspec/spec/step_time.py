@@ -27,6 +27,7 @@ from batchspec.runtime.machine import machine_description
 from batchspec.runtime.model import Transformer
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"  # the package whose code sets what a forward costs
+LEARN_RATE = 0.3  # how far one measured forward moves a row-time table (`RowTimeTable.learn`)
 
 
 @dataclass(frozen=True)
@@ -84,15 +85,53 @@ class RowTimeTable:
     pad_s: float = 0.0
 
     def __post_init__(self) -> None:  # arrays once: the table is read at every step (selection overhead)
-        x, y = np.asarray(self.rows, dtype=np.float64), np.asarray(self.seconds, dtype=np.float64)
-        slope = (y[-1] - y[-2]) / (x[-1] - x[-2]) if len(x) > 1 else 0.0
-        object.__setattr__(self, "_table", (x, y, slope))
+        x, y = np.asarray(self.rows, dtype=np.float64), np.array(self.seconds, dtype=np.float64)
+        object.__setattr__(self, "_table", (x, y, self._slope(x, y)))
+        object.__setattr__(self, "version", 0)  # forwards learned from (`learn`)
+
+    @staticmethod
+    def _slope(x: np.ndarray, y: np.ndarray) -> float:
+        return float((y[-1] - y[-2]) / (x[-1] - x[-2])) if len(x) > 1 else 0.0
 
     def __call__(self, rows):
         """Interpolated seconds at `rows` (int or array); beyond the table, the last segment's slope."""
         x, y, slope = self._table
         rows = np.asarray(rows, dtype=np.float64)
         return np.where(rows > x[-1], y[-1] + slope * (rows - x[-1]), np.interp(rows, x, y))
+
+    def learn(self, rows: int, seconds: float, rate: float = LEARN_RATE) -> None:
+        """Move the table toward a forward over `rows` that took `seconds`: the points the interpolation at `rows`
+        reads, each by its weight, `rate` of the way (the error capped at half the prediction, so one forward slowed
+        by another process moves the table little), kept non-decreasing in the rows: a point raised raises the ones
+        after it, a point lowered lowers the ones before it (a batch that always runs 16 rows must be able to learn
+        that 16 rows got cheaper, whatever the 15-row point, never timed again, says).
+
+        A profile is taken once per machine and cached; a shared machine's speed drifts (measured on the AVX2 EPYC
+        within one afternoon: the SmolLM2 target's forward over 16 / 32 / 48 rows 113 / 138 / 169 ms when profiled,
+        89 / 132 / 197 ms three hours later, so a verified row cost twice what the table said), and goodput plans
+        priced on the old table speculate where it no longer pays. The profile stays on disk as it was taken; the
+        engine's copy follows what its forwards measure."""
+        x, y, _ = self._table
+        predicted = float(self(rows))
+        if predicted <= 0.0:
+            return
+        error = rate * min(max(seconds - predicted, -0.5 * predicted), 0.5 * predicted)
+        upper = int(np.searchsorted(x, rows))  # the first point at or past `rows`
+        if upper >= len(x):  # past the table (extrapolated on its last slope): its last point, by the same ratio
+            y[-1] += y[-1] * error / predicted
+        elif upper == 0 or x[upper] == rows:
+            y[upper] += error
+        else:
+            weight = (rows - x[upper - 1]) / (x[upper] - x[upper - 1])
+            y[upper - 1] += (1.0 - weight) * error
+            y[upper] += weight * error
+        np.maximum(y, 0.0, out=y)
+        if error > 0.0:  # what was raised raises the points after it
+            np.maximum.accumulate(y, out=y)
+        else:  # what was lowered lowers the points before it (fewer rows never cost more)
+            y[:] = np.minimum.accumulate(y[::-1])[::-1]
+        object.__setattr__(self, "_table", (x, y, self._slope(x, y)))
+        object.__setattr__(self, "version", self.version + 1)
 
 
 @dataclass(frozen=True)
@@ -103,6 +142,8 @@ class StepCost:
     model: StepTimeModel
     target: RowTimeTable | None = None  # the target's forward by rows scored
     draft: RowTimeTable | None = None  # the draft's forward by requests (one token each)
+    # Whether the draft's table also timed a request catching up (`CATCH_UP_ROWS`): what `catch_up_s` prices.
+    catch_up: bool = False
 
     @property
     def pad_s(self) -> float:
@@ -115,6 +156,44 @@ class StepCost:
 
     def target_s(self, rows):
         return self.target(rows)
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """How many forwards each table has learned from (`learn`): a plan's costs computed at another are stale."""
+        return (getattr(self.target, "version", 0), getattr(self.draft, "version", 0))
+
+    def learn(self, target_rows: int, padded: int, target_s: float, pass_rows: Sequence[int], draft_s: float) -> None:
+        """Learn from a step as it ran: the target's pass over `target_rows` rows (`padded` attention rows besides,
+        priced at `pad_s`) took `target_s`; the draft's passes over `pass_rows` rows each took `draft_s` together,
+        shared among them as the table predicts them (`RowTimeTable.learn`), where none runs past the table."""
+        if self.target is not None and target_rows:
+            self.target.learn(target_rows, max(0.0, target_s - self.pad_s * padded))
+        # Passes past the draft's table (a first pass running whole prompts) are left out: shared by prediction, an
+        # error in the extrapolation would move the points every pass reads.
+        if self.draft is not None and pass_rows and max(pass_rows) <= self.draft.rows[-1]:
+            predicted = [float(self.draft(rows)) for rows in pass_rows]
+            total = sum(predicted)
+            if total > 0.0:
+                for rows, seconds in zip(pass_rows, predicted):
+                    self.draft.learn(rows, seconds * draft_s / total)
+
+    def refresh(self, target: Transformer, draft: Transformer, batch: int) -> None:
+        """Time again the forwards a step of `batch` requests always runs, the target's over `batch` rows (a plain
+        step) and one draft pass over them, and move the tables there (`learn`, all the way): a cached profile is
+        the machine as it was when profiled, and the first steps of a run choose whether to pay for the draft's
+        catch-up of every prompt. About a second (four forwards of each model)."""
+        if self.target is not None:
+            self.target.learn(batch, _time_ragged(target, [1] * batch, repeats=3), rate=1.0)
+        if self.draft is not None:
+            self.draft.learn(batch, _time_ragged(draft, [1] * batch, repeats=3), rate=1.0)
+
+    def catch_up_s(self, drafting: int, tokens: np.ndarray) -> np.ndarray | None:
+        """(B,) seconds each request's `tokens` of catch-up add to a first draft pass over `drafting` requests (the
+        tokens its draft cache lacks beyond the one every pass runs: a whole prompt before it first drafts); None
+        where the draft's table has no catch-up point (a cost model of the simulator's)."""
+        if not self.catch_up or self.draft is None:
+            return None
+        return self.draft(drafting + tokens) - float(self.draft(drafting))
 
     def __call__(self, batch_size: int, k: int) -> float:
         """T(B, k): k draft passes over B requests and a target pass over B * (k + 1) rows, from the profiled tables
@@ -252,9 +331,11 @@ def profile_pad_time(model: Transformer, max_batch: int) -> float:
     return max(0.0, (ragged - uniform) / (requests * (requests + 1) - 2 * requests))
 
 
-def profile_row_times(target: Transformer, max_batch: int, max_rows: int, pad: bool = False) -> RowTimeTable:
+def profile_row_times(target: Transformer, max_batch: int, max_rows: int, pad: bool = False,
+                      catch_up: bool = False) -> RowTimeTable:
     """The target's forward time at each `row_grid` point: min(rows, max_batch) requests sharing the rows (with
-    `pad`, also `profile_pad_time`).
+    `pad`, also `profile_pad_time`; with `catch_up`, a draft's table, also max_batch requests of which one catches
+    up `CATCH_UP_ROWS` tokens, at max_batch + CATCH_UP_ROWS rows: what `StepCost.catch_up_s` reads).
 
     A forward over fewer rows never costs more than one over more (the kernels pad rows into blocks), so a point
     timed above a later one by more than noise was slowed by something else on the machine: it is timed again (a
@@ -271,6 +352,8 @@ def profile_row_times(target: Transformer, max_batch: int, max_rows: int, pad: b
         return rows, _time_ragged(target, appends)
 
     points = dict(time_rows(rows) for rows in row_grid(max_rows))
+    if catch_up:
+        points[max_batch + CATCH_UP_ROWS] = _time_ragged(target, [1 + CATCH_UP_ROWS] + [1] * (max_batch - 1))
     for _ in range(RETIMES):
         slowed = [rows for rows, seconds in points.items()
                   if seconds > SLOWED * min(s for r, s in points.items() if r >= rows)]
@@ -286,12 +369,15 @@ def profile_row_times(target: Transformer, max_batch: int, max_rows: int, pad: b
 
 SLOWED = 1.25  # a point this much above a point with more rows was timed on a busy machine
 RETIMES = 3  # rounds of timing such points again
+CATCH_UP_ROWS = 128  # a request's catch-up the draft's table times (a chat prompt's worth of tokens)
 
 
-def cached_row_times(model: Transformer, max_batch: int, max_rows: int, pad: bool = False) -> RowTimeTable:
+def cached_row_times(model: Transformer, max_batch: int, max_rows: int, pad: bool = False,
+                     catch_up: bool = False) -> RowTimeTable:
     """`profile_row_times`, remembered on disk for this machine and model."""
-    return _cached(f"row-times-{_profile_key(model, model, max_batch, max_rows)}{'-pad' if pad else ''}",
-                   lambda: profile_row_times(model, max_batch, max_rows, pad),
+    suffix = ("-pad" if pad else "") + ("-catch-up" if catch_up else "")
+    return _cached(f"row-times-{_profile_key(model, model, max_batch, max_rows)}{suffix}",
+                   lambda: profile_row_times(model, max_batch, max_rows, pad, catch_up),
                    lambda data: RowTimeTable(tuple(data["rows"]), tuple(data["seconds"]), float(data["pad_s"])))
 
 
@@ -303,4 +389,4 @@ def step_cost(target: Transformer, draft: Transformer, max_batch: int, k_max: in
     if max_draft is None:
         return StepCost(model)
     return StepCost(model, cached_row_times(target, max_batch, max_batch * (max_draft + 1), pad=True),
-                    cached_row_times(draft, max_batch, max_batch))
+                    cached_row_times(draft, max_batch, max_batch, catch_up=True), catch_up=True)

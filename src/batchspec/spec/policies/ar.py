@@ -17,5 +17,6 @@ class ArPolicy(Policy):
     def max_draft_length(self) -> int:
         return 0
 
-    def plan(self, batch_size: int, step_time: StepTime | None = None, requests=None) -> Plan:
+    def plan(self, batch_size: int, step_time: StepTime | None = None, requests=None, catch_up=None,
+             remaining=None) -> Plan:
         return Plan(k=0, k_prime=0, capacity=0)

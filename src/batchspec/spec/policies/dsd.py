@@ -83,7 +83,8 @@ class DsdPolicy(SdPolicy):
     def max_draft_length(self) -> int:
         return max(self.spec.k + self.spec.extra, self.spec.k_max)
 
-    def plan(self, batch_size: int, step_time: StepTime | None = None, requests=None) -> Plan:
+    def plan(self, batch_size: int, step_time: StepTime | None = None, requests=None, catch_up=None,
+             remaining=None) -> Plan:
         if step_time is None:
             raise BatchspecError("dsd needs a step-time model T(B, k) to choose its window")
         k = dsd_choose_k(self.acceptance.value, batch_size, self.spec.k_max, step_time)

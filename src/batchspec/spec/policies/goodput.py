@@ -11,6 +11,9 @@ draft j of request i = prod_{t<=j} P(accept | q[i, t]), the calibrated acceptanc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from batchspec.spec.calibration import AcceptanceCalibration, bin_of
@@ -85,6 +88,9 @@ def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.
 
 def pass_times(step_time, batch_size: int) -> np.ndarray:
     """(B + 1,) seconds of one draft pass over 0, 1, ..., B requests (none: no pass)."""
+    table = getattr(step_time, "draft", None)
+    if callable(table):  # a profiled table: every row count at once
+        return np.concatenate([[0.0], np.asarray(table(np.arange(1, batch_size + 1)), dtype=float)])
     return np.array([0.0, *(float(step_time.draft_s(rows, 1)) for rows in range(1, batch_size + 1))])
 
 
@@ -97,22 +103,32 @@ def drafting_time(lengths: np.ndarray, passes: np.ndarray) -> float:
 
 def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.ndarray,
                           pad_s: float = 0.0, done: int = 0, spent: float = 0.0) -> np.ndarray:
-    """Draft lengths (B,) for the most expected tokens per second of the step. int64, 0 = none.
+    """Draft lengths (B,) for the most expected tokens per second of the step (`goodput_plan`). int64, 0 = none."""
+    return goodput_plan(expected, passes, target, pad_s, done, spent)[0]
+
+
+def goodput_plan(expected: np.ndarray, passes: np.ndarray, target: np.ndarray, pad_s: float = 0.0, done: int = 0,
+                 spent: float = 0.0, allowed: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """(draft lengths (B,), int64, 0 = none; their predicted tokens per second) for the most expected tokens per
+    second of the step.
 
     expected (B, K): each request's predicted survival of positions 1..K, non-increasing along K; passes: one draft
     pass's seconds by rows (`pass_times`); target (B*K + 1,): the target's seconds over B + C rows, C = 0..B*K;
     pad_s: its seconds per padded attention row (`padded_rows`: uneven windows cost more than their rows).
     done, spent: while drafting (`Goodput.draft_on`), the `done` draft passes already made and their seconds: those
     passes cost nothing more, every plan pays `spent`, and lengths of at most `done` mean drafting stops now.
-    Two families of plans, the better predicted rate wins (before drafting, all zeros, a plain decoding step, when
-    neither beats it):
+    allowed: (B,) bool, the requests that may draft (None: all); the others decode one token in the target's pass.
+    Two families of plans, the better predicted rate wins (before drafting, all zeros, a plain decoding step at
+    B / target[0] tokens per second, when neither beats it):
     - per request: the top C predicted positions over the batch (prefix-closed per request, as in `goodput_windows`),
       each request drafting exactly its own and the target verifying them all; pass j then runs over only the
       requests with more than j drafts, so an easy request drafts long and a hard one short or not at all;
-    - one K' for every request, the target verifying the goodput-best C of the B*K' drafts (DSD's shape, Tetris's
-      choice): more drafts than verified, so that the drafts themselves can decide.
+    - one K' for every request allowed, the target verifying the goodput-best C of their drafts (DSD's shape,
+      Tetris's choice): more drafts than verified, so that the drafts themselves can decide.
     """
     batch, width = expected.shape
+    if allowed is not None:
+        expected = np.where(allowed[:, None], expected, 0.0)  # never verified, so never drafted per request
     flat = expected.reshape(-1)
     order = np.argsort(-flat, kind="stable")  # (B*K,) row positions in order: every prefix is prefix-closed
     columns = order % width
@@ -131,10 +147,13 @@ def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.n
     if rates[best] > best_rate:
         lengths, best_rate = np.bincount(order[:best + 1] // width, minlength=batch), float(rates[best])
     if batch == 1:  # one request: every plan of one K' is a prefix above, drafted at least as long
-        return lengths
+        return lengths, best_rate
+    drafters = batch if allowed is None else int(allowed.sum())
+    if not drafters:
+        return lengths, best_rate
     prefix = np.concatenate([np.zeros((batch, 1)), np.cumsum(expected, axis=1)], axis=1)  # (B, K + 1)
     for k_prime in range(max(done, 1), width + 1):
-        times = spent + (k_prime - done) * passes[batch] + target
+        times = spent + (k_prime - done) * passes[drafters] + target
         if pad_s:  # as `goodput_windows` will choose C, uneven windows priced
             windows = goodput_windows(expected[:, :k_prime], times, pad_s)
             verified = int(windows.sum())
@@ -143,8 +162,31 @@ def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.n
         else:
             rate = float(capacity_rates(expected[:, :k_prime], times).max())
         if rate > best_rate:
-            lengths, best_rate = np.full(batch, k_prime, dtype=np.int64), rate
-    return lengths
+            best_rate = rate
+            lengths = (np.full(batch, k_prime, dtype=np.int64) if allowed is None
+                       else np.where(allowed, k_prime, 0).astype(np.int64))
+    return lengths, best_rate
+
+
+def catch_up_pays(lengths: np.ndarray, expected: np.ndarray, rate: float, plain_rate: float, owed_s: np.ndarray,
+                  remaining: np.ndarray) -> np.ndarray:
+    """Which requests planned drafts are worth their draft's catch-up. (B,) bool.
+
+    A request's draft cache lags by the tokens the draft has not run: its whole prompt until it first drafts, and
+    the tokens emitted while it did not draft. The first draft pass runs them, `owed_s` seconds more, once; no step's
+    plan sees that cost, and where speculation barely pays it outweighs what drafting gains (the SmolLM2 pair at
+    batch 16: the draft's prefill of the prompts took more time than speculation saved the target). The plan gains
+    1 / plain_rate - 1 / rate seconds per token the batch emits while it runs; a request's share of that is its part
+    of the plan's expected accepted drafts (expected (B, K) survival, summed over its planned length), taken over
+    the B x `remaining` tokens the batch emits while that request may still run. It pays if that covers `owed_s`.
+    """
+    drafting = lengths > 0
+    accepted = np.where(np.arange(expected.shape[1]) < lengths[:, None], expected, 0.0).sum(axis=1)  # (B,)
+    total = float(accepted.sum())
+    if rate <= plain_rate or total <= 0.0:
+        return np.zeros_like(drafting)
+    saving = (1.0 / plain_rate - 1.0 / rate) * len(lengths) * accepted / total * remaining  # (B,) seconds
+    return drafting & (saving >= owed_s)
 
 
 class Goodput:
@@ -167,7 +209,7 @@ class Goodput:
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
         self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
         self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
-        self._best: tuple | None = None  # (requests, costs, lengths) of the last choice, until survival changes
+        self._best: tuple | None = None  # (requests, costs, (lengths, rate)) of the last plan, until survival changes
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
         # Bin 0 (-inf: not drafted, the request stopped early) has rate 0: survives nothing.
@@ -291,28 +333,58 @@ class Goodput:
         self.calibration.update(bins, windows, accepted)
 
     def draft_lengths(self, requests: tuple, passes: np.ndarray, target: np.ndarray,
-                      pad_s: float = 0.0) -> np.ndarray:
-        """Draft lengths (B,) for the next step (`goodput_draft_lengths` on each request's own estimate): the whole
-        cap until a step has been seen; after a run of plain decoding steps, one draft per request, to see whether
-        drafting pays again. passes, target, pad_s: the step's costs, as `goodput_draft_lengths` takes them."""
+                      pad_s: float = 0.0, catch_up: CatchUp | None = None) -> np.ndarray:
+        """Draft lengths (B,) for the next step (`goodput_plan` on each request's own estimate): the whole cap until a
+        step has been seen; after a run of plain decoding steps, one draft per request, to see whether drafting pays
+        again. passes, target, pad_s: the step's costs, as `goodput_plan` takes them.
+
+        With `catch_up` a request drafts only where its draft's catch-up pays (`catch_up_pays`; the plan is made
+        again without the others); the first step drafts only for the requests cheapest to catch up (already caught
+        up, else the one with the fewest tokens to run), and explorations only for requests caught up (none: no
+        exploration): what they learn decides for the rest, before anyone else pays for a prompt (on the SmolLM2 pair
+        at batch 16, where speculation does not pay, an exploration by a request that never drafted ran its prompt
+        and output so far through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain step)."""
         self.exploring = False
+        batch = len(requests)
         if self.expected_survival is None:
-            return np.full(len(requests), self.max_draft, dtype=np.int64)
+            if catch_up is None:
+                return np.full(batch, self.max_draft, dtype=np.int64)
+            return np.where(catch_up.cheapest(), self.max_draft, 0).astype(np.int64)
+        own = self._own_rows(requests)
         if self._best is not None and self._best[0] == requests and self._best[1] is target:
-            lengths = self._best[2]  # nothing learned since (plain decoding steps): the same choice
+            lengths, rate = self._best[2]  # nothing learned since (plain decoding steps): the same choice
         else:
-            lengths = goodput_draft_lengths(self._own_rows(requests), passes, target, pad_s)
-            self._best = requests, target, lengths
+            lengths, rate = goodput_plan(own, passes, target, pad_s)
+            self._best = requests, target, (lengths, rate)
+        if catch_up is not None and lengths.any():
+            owed = catch_up.seconds(int(np.count_nonzero(lengths)), catch_up.tokens)
+            pays = catch_up_pays(lengths, own, rate, batch / float(target[0]), owed, catch_up.remaining)
+            if not np.array_equal(pays, lengths > 0):
+                lengths = goodput_plan(own, passes, target, pad_s, allowed=pays)[0]
         if lengths.any():
             self._exploration.drafted()
             return lengths
-        batch = len(requests)
 
         def near() -> bool:  # one draft per request predicted within `near` of plain decoding's rate
-            one_each = (batch + float(self._own_rows(requests)[:, 0].sum())) / (passes[batch] + target[batch])
+            one_each = (batch + float(own[:, 0].sum())) / (passes[batch] + target[batch])
             return one_each >= self.near * batch / target[0]
 
-        if not self._exploration.explores(near):
+        explorers = np.ones(batch, dtype=bool) if catch_up is None else catch_up.tokens <= 1
+        if not explorers.any() or not self._exploration.explores(near):
             return lengths
         self.exploring = True
-        return np.ones(batch, dtype=np.int64)
+        return explorers.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What each request's draft cache lacks, and how long the request may still run: `Goodput.draft_lengths` weighs
+    paying for the first against what drafting gains over the second."""
+
+    tokens: np.ndarray  # (B,) tokens the draft has not run beyond the one every pass runs (a whole prompt at first)
+    remaining: np.ndarray  # (B,) tokens each request may still emit
+    seconds: Callable[[int, np.ndarray], np.ndarray]  # (requests drafting, tokens) -> (B,) seconds they add
+
+    def cheapest(self) -> np.ndarray:
+        """(B,) bool: the requests caught up already (at most one token behind), else the ones with the fewest."""
+        return self.tokens <= max(1, int(self.tokens.min()))

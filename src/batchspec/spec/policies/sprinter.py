@@ -31,7 +31,8 @@ class SprinterPolicy(Policy):
     def max_draft_length(self) -> int:
         return self.spec.block_cap
 
-    def plan(self, batch_size: int, step_time: StepTime | None = None, requests=None) -> Plan:
+    def plan(self, batch_size: int, step_time: StepTime | None = None, requests=None, catch_up=None,
+             remaining=None) -> Plan:
         cap = self.spec.block_cap
         return Plan(cap, cap, min(self.spec.capacity_for(batch_size), batch_size * cap))
 

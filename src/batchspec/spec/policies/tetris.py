@@ -22,7 +22,8 @@ from torch import Tensor
 
 from batchspec.errors import BatchspecError
 from batchspec.spec.policies.base import Plan, Policy, sd_windows
-from batchspec.spec.policies.goodput import Goodput, drafting_time, goodput_windows, pass_times, smallest_step
+from batchspec.spec.policies.goodput import (CatchUp, Goodput, drafting_time, goodput_windows, pass_times,
+                                             smallest_step)
 from batchspec.spec.proposal import KeepDrafting
 from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
 
@@ -163,13 +164,17 @@ class TetrisPolicy(Policy):
         """With `capacity="auto"` K' is chosen per step, up to dsd's cap k_max (or k + extra when larger)."""
         return max(self.spec.k + self.spec.extra, self.spec.k_max) if self.auto else super().max_draft_length()
 
-    def plan(self, batch_size: int, step_time=None, requests=None) -> Plan:
+    def plan(self, batch_size: int, step_time=None, requests=None, catch_up=None, remaining=None) -> Plan:
         if not self.auto:
             return super().plan(batch_size)
         if step_time is None:
             raise BatchspecError("tetris with --capacity auto needs a step-time model to choose its capacity")
         requests = tuple(range(batch_size) if requests is None else requests)
-        lengths = self.goodput.draft_lengths(requests, *self._step_costs(step_time, batch_size), step_time.pad_s)
+        owed = None  # the draft's catch-up, priced where the cost model has timed it
+        if catch_up is not None and remaining is not None and getattr(step_time, "catch_up", False):
+            owed = CatchUp(np.asarray(catch_up), np.asarray(remaining), step_time.catch_up_s)
+        lengths = self.goodput.draft_lengths(requests, *self._step_costs(step_time, batch_size), step_time.pad_s,
+                                             owed)
         return replace(super().plan(batch_size), k_prime=int(lengths.max(initial=0)), step_time=step_time,
                        lengths=lengths, requests=requests)
 
@@ -218,9 +223,10 @@ class TetrisPolicy(Policy):
 
     def _step_costs(self, step_time, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         """(one draft pass's seconds by rows 0..B, the target's seconds over B + C rows for C = 0..B * cap), kept per
-        B while the cost model stays."""
-        if self._costs is None or self._costs[0] is not step_time:
-            self._costs = step_time, {}
+        B while the cost model stays and learns nothing new (`StepCost.learn`)."""
+        version = getattr(step_time, "version", None)
+        if self._costs is None or self._costs[0] is not step_time or self._costs[2] != version:
+            self._costs = step_time, {}, version
         by_batch = self._costs[1]
         if batch_size not in by_batch:
             rows = batch_size + np.arange(batch_size * self.goodput.max_draft + 1)
