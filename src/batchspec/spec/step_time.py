@@ -74,7 +74,8 @@ class RowTimeTable:
     """Seconds of one target forward by the number of positions (rows) it scores, as profiled.
 
     A table, not a line: on CPUs whose kernels work on blocks of rows (batch-invariant bfloat16: 16-row blocks) the
-    time is a staircase in the rows, and a verified draft is nearly free until the next step up.
+    time is a staircase in the rows, and a verified draft is nearly free until the next step up. Its fields are the
+    profile as taken (what the cache stores and equality compares); what it predicts follows `learn`.
     """
 
     rows: tuple[int, ...]  # increasing
