@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from batchspec.engine.model_runner import ModelRunner
@@ -40,6 +41,7 @@ from batchspec.runtime.sampling import SamplingParams, greedy_tokens, params_ten
 from batchspec.runtime.threads import configure_threads
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import Policy, StepTime, make_policy, policy_class
+from batchspec.spec.policies.goodput import pass_rows
 from batchspec.spec.stats import RunStats, StepOutcome, summarize
 from batchspec.spec.step_time import step_cost
 from batchspec.weights.loading import LoadedModel, check_draft_compatible, load_model
@@ -48,9 +50,9 @@ Prompt = str | list[dict[str, str]]  # plain text, or chat messages [{"role": ..
 
 
 def draft_pass_rows(drafted: list[int], catch_up: list[int]) -> list[int]:
-    """Rows of each draft pass of a step: pass j runs over the requests that drafted more than j drafts, the first
-    one also over each drafting request's catch-up (the tokens its draft cache lacked)."""
-    rows = [sum(made > j for made in drafted) for j in range(max(drafted, default=0))]
+    """Rows of each draft pass of a step (`goodput.pass_rows`), the first one also over each drafting request's
+    catch-up (the tokens its draft cache lacked)."""
+    rows = pass_rows(np.asarray(drafted, dtype=np.int64)).tolist()
     if rows:
         rows[0] += sum(lag for lag, made in zip(catch_up, drafted) if made)
     return rows

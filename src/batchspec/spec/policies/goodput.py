@@ -94,11 +94,15 @@ def pass_times(step_time, batch_size: int) -> np.ndarray:
     return np.array([0.0, *(float(step_time.draft_s(rows, 1)) for rows in range(1, batch_size + 1))])
 
 
+def pass_rows(lengths: np.ndarray) -> np.ndarray:
+    """(max(lengths),) requests in each draft pass that gives request i lengths[i] drafts: pass j runs over the
+    requests with more than j."""
+    return len(lengths) - np.cumsum(np.bincount(lengths, minlength=int(lengths.max(initial=0)) + 1))[:-1]
+
+
 def drafting_time(lengths: np.ndarray, passes: np.ndarray) -> float:
-    """Seconds of the draft passes that give request i lengths[i] drafts: pass j runs over the requests with more
-    than j. passes: `pass_times`."""
-    per_pass = len(lengths) - np.cumsum(np.bincount(lengths, minlength=int(lengths.max(initial=0)) + 1))[:-1]
-    return float(passes[per_pass].sum())
+    """Seconds of the draft passes that give request i lengths[i] drafts (`pass_rows`). passes: `pass_times`."""
+    return float(passes[pass_rows(lengths)].sum())
 
 
 def goodput_draft_lengths(expected: np.ndarray, passes: np.ndarray, target: np.ndarray,
