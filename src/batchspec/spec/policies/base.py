@@ -3,11 +3,10 @@
 A step of the engine (and of the simulator) asks its policy, in order:
 1. `plan(batch_size, step_time, requests, catch_up, remaining)` -> `Plan`: sd's window k, how many tokens K' the
    draft proposes per request (0: a plain decoding step, the draft does not run; goodput Tetris: at most K', each
-   its own length) and
-   the verification capacity C; `requests` names the request in each row (an id that stays with it from step to
-   step), for policies that learn per request; `catch_up`, the tokens each row's draft cache lacks beyond the one
-   every draft pass runs (a whole prompt before its first draft), and `remaining`, the tokens each may still emit,
-   for policies that weigh the draft's catch-up (goodput Tetris);
+   its own length) and the verification capacity C; `requests` names the request in each row (an id that stays
+   with it from step to step), for policies that learn per request; `catch_up`, the tokens each row's draft cache
+   lacks beyond the one every draft pass runs (a whole prompt before its first draft), and `remaining`, the tokens
+   each may still emit, for policies that weigh the draft's catch-up (goodput Tetris);
 2. `draft_scorer()`: a SPRINTER verifier to score every draft while drafting (and to stop a request's drafting), or
    None; `drafting_rule(plan, batch_size)`: which requests draft on after each draft pass (Tetris stops a request
    once none of its later drafts could be verified), or None;
