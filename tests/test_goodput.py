@@ -112,6 +112,31 @@ def test_calibration_converges_to_the_true_rate(rate, seed):
     assert abs(float(calibration.estimate(np.log([0.9]))[0]) - rate) < 0.05
 
 
+def test_calibration_refits_once_the_evidence_grows():
+    """The rates follow every update at first, then once `refit_growth` more reached drafts have come in: never
+    further from a fit on all the evidence than that fraction of it."""
+    calibration = AcceptanceCalibration()
+    sure = bin_of(np.log(np.full((1, 1), 0.97)))
+
+    def estimate() -> float:
+        return float(calibration.estimate(np.log([0.97]))[0])
+
+    calibration.update(sure, np.array([1]), np.array([0]))  # the first outcome moves the estimate at once
+    first = estimate()
+    assert first < 0.97 - 0.1
+    for _ in range(199):  # 200 reached drafts, all rejected
+        calibration.update(sure, np.array([1]), np.array([0]))
+        estimate()
+    changes, last = 0, estimate()
+    for _ in range(20):  # 20 more, all accepted: the estimate moves every ~2 % (4 drafts), never lags more
+        calibration.update(sure, np.array([1]), np.array([1]))
+        now = estimate()
+        changes += now != last
+        assert now >= last
+        last = now
+    assert 4 <= changes <= 6 and last < first
+
+
 def test_only_reached_drafts_count():
     calibration = AcceptanceCalibration()
     half = bin_of(np.log(np.array([[0.5, 0.5, 0.5]])))

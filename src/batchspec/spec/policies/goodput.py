@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
-from batchspec.spec.calibration import AcceptanceCalibration, bin_of
+from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
 from batchspec.spec.policies.exploration import Exploration
 
 
@@ -84,6 +85,14 @@ def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.
         return drafting
     bound = float(capacity_rates(survival, times).max()) * step * (1.0 - 1e-9)  # a margin for rounding
     return drafting & (survival[:, -1] >= bound)
+
+
+@cache
+def _bin_offsets(width: int, size: int) -> np.ndarray:
+    """(width,) size * position: bins of different positions made distinct for one bincount."""
+    offsets = size * np.arange(width)
+    offsets.flags.writeable = False  # shared by every caller
+    return offsets
 
 
 def pass_times(step_time, batch_size: int) -> np.ndarray:
@@ -222,23 +231,29 @@ class Goodput:
     def survival(self, logprobs: np.ndarray, requests=None) -> np.ndarray:
         """(B, K') log q -> estimated P(drafts 1..j all accepted); also remembered per position, over the batch and
         per request (`requests`: an id per row, as for `draft_lengths`), for the next step's draft lengths."""
-        self._last = (logprobs, bin_of(logprobs))  # for `observe`, which sees the same drafts
-        bins = self._last[1]
+        bins = bin_of(logprobs)
+        self._last = (logprobs, bins)  # for `observe`, which sees the same drafts
         survival = self._survival(bins)
         self._best = None
-        self._learn_depths(bins)
-        if survival.shape[1] == self.max_draft and survival[:, -1].all():  # every request drafted every position
-            continued, drafted, every = survival, None, True
+        full = np.count_nonzero(bins) == bins.size  # no bin 0: every request drafted every position of the step
+        self._learn_depths(bins, full)
+        every = full and survival.shape[1] == self.max_draft
+        if every:
+            continued, drafted = survival, None
         else:
             continued = self._continued(survival)  # (B, max_draft)
             drafted = survival[:, 0] > 0
             every = bool(drafted.all())
         if every or drafted.any():
-            mean = np.add.reduce(continued) / len(continued) if every else continued[drafted].mean(axis=0)
             if self.expected_survival is None:
-                self.expected_survival = mean
+                self.expected_survival = (np.add.reduce(continued) / len(continued) if every
+                                          else continued[drafted].mean(axis=0))
+            elif every:  # the batch's mean survival per position, in as few calls as possible
+                self.expected_survival *= self.decay
+                self.expected_survival += np.add.reduce(continued) * ((1.0 - self.decay) / len(continued))
             else:
-                self.expected_survival += (1.0 - self.decay) * (mean - self.expected_survival)
+                self.expected_survival += (1.0 - self.decay) * (continued[drafted].mean(axis=0)
+                                                                - self.expected_survival)
         if requests is not None and self.expected_survival is not None:
             # A request's own estimate: what its drafts survived, or, in a step it did not draft, the batch's (so a
             # request that stopped drafting is tried again once others show drafting pays).
@@ -259,18 +274,21 @@ class Goodput:
             self._requests, self._own = requests, own
         return self._own
 
-    def _learn_depths(self, bins: np.ndarray) -> None:
+    def _learn_depths(self, bins: np.ndarray, full: bool = False) -> None:
         """Remember, per draft position, how its drafts' q fall into the calibration's bins (counts decayed by
         `decay` at each step that drafts the position): what a draft at that depth is like, to be rated by the
-        latest calibration."""
-        size = len(self.calibration.rates)
+        latest calibration. full: no bin 0 (every request drafted every position), the common case made cheap."""
+        size = len(EDGES)  # the calibration's bins and bin 0
         width = bins.shape[1]
-        counts = np.bincount((bins + size * np.arange(width)).ravel(), minlength=width * size).reshape(width, size)
-        counts[:, 0] = 0  # bin 0: not drafted
+        counts = np.bincount((bins + _bin_offsets(width, size)).ravel(), minlength=width * size).reshape(width, size)
         if self._depth_counts is None:
             self._depth_counts = np.zeros((self.max_draft, size))
         head = self._depth_counts[:width]  # a view: updated in place
-        head[counts.any(axis=1)] *= self.decay
+        if full:
+            head *= self.decay
+        else:
+            counts[:, 0] = 0  # bin 0: not drafted
+            head[counts.any(axis=1)] *= self.decay
         head += counts
 
     def _continued(self, survival: np.ndarray) -> np.ndarray:
@@ -332,7 +350,8 @@ class Goodput:
         return drafting & (lengths > done)
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
-        same = self._last is not None and np.array_equal(self._last[0], logprobs)  # the drafts `survival` saw
+        seen = None if self._last is None else self._last[0]
+        same = seen is logprobs or seen is not None and np.array_equal(seen, logprobs)  # the drafts `survival` saw
         bins = self._last[1] if same else bin_of(logprobs)
         self.calibration.update(bins, windows, accepted)
 

@@ -147,7 +147,8 @@ class TetrisPolicy(Policy):
         self.calibrated = self.auto or spec.tetris_scores == "calibrated"
         self.goodput = Goodput(self.max_draft_length()) if self.calibrated else None
         self._costs = None  # (cost model, {B: (draft pass times by rows, target times by C)}) of the steps seen
-        self._planned = None  # (plan, its `_step_times`) of the current step
+        self._planned = None  # (plan, its `_step_times`, its fewest drafts of a request) of the current step
+        self._selected = None, None  # (proposal, its log q as numpy) of the last `select` with capacity="auto"
 
     @classmethod
     def validate(cls, spec, batch_size: int) -> None:
@@ -240,9 +241,16 @@ class TetrisPolicy(Policy):
         `select` both read them)."""
         if self._planned is None or self._planned[0] is not plan:
             passes, target = self._step_costs(plan.step_time, batch_size)
-            drafting = drafting_time(plan.drafts(batch_size), passes)
-            self._planned = plan, drafting + target[:batch_size * plan.k_prime + 1]
+            lengths = plan.drafts(batch_size)
+            drafting = drafting_time(lengths, passes)
+            shortest = int(lengths.min()) if lengths.size else 0
+            self._planned = plan, drafting + target[:batch_size * plan.k_prime + 1], shortest
         return self._planned[1]
+
+    def _shortest(self, plan: Plan, batch_size: int) -> int:
+        """The fewest drafts the plan gives a request (kept with `_step_times`)."""
+        self._step_times(plan, batch_size)
+        return self._planned[2]
 
     def select(self, plan: Plan, proposal, accept_probs: Tensor | None = None) -> Tensor:
         batch_size, k_prime = proposal.logprobs.shape
@@ -250,8 +258,9 @@ class TetrisPolicy(Policy):
             return sd_windows(batch_size, plan.k, k_prime, device=proposal.logprobs.device)
         if self.auto:
             logprobs = proposal.logprobs.numpy()  # (B, K')
+            self._selected = proposal, logprobs  # `observe` learns from the same array
             lengths = plan.drafts(batch_size)
-            if lengths.min(initial=k_prime) < k_prime:  # drafts past a request's length (unpruned, or measuring)
+            if self._shortest(plan, batch_size) < k_prime:  # drafts past a request's length (unpruned, or measuring)
                 logprobs = np.where(np.arange(k_prime) < lengths[:, None], logprobs, -np.inf)
             survival = self.goodput.survival(logprobs, plan.requests)  # (B, K')
             if self.goodput.exploring:  # an exploration learns only from drafts the target verifies
@@ -267,4 +276,7 @@ class TetrisPolicy(Policy):
 
     def observe(self, proposal, windows: list[int], accepted: list[int]) -> None:
         if self.calibrated:
-            self.goodput.observe(proposal.logprobs.numpy(), np.asarray(windows), np.asarray(accepted))
+            seen, logprobs = self._selected
+            if seen is not proposal:
+                logprobs = proposal.logprobs.numpy()
+            self.goodput.observe(logprobs, np.asarray(windows), np.asarray(accepted))
