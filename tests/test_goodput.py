@@ -320,6 +320,42 @@ def test_goodput_drafts_only_for_requests_whose_catch_up_pays():
     assert CatchUp(np.array([1, 0, 9]), np.zeros(3), owed).cheapest().tolist() == [True, True, False]
 
 
+def test_a_plan_drafts_only_past_the_margin_it_is_asked_for():
+    """Four requests surviving 0.9 per draft, 0.85 s per draft pass: one draft each is predicted 1.019x plain decoding,
+    enough to draft with no margin, not with 5 % (and a plan that does not draft reports plain decoding's rate)."""
+    passes, target = _costs(_cost(draft_step=0.85, per_row=0.01), 4, 4)
+    expected = np.tile(np.cumprod(np.full(4, 0.9)), (4, 1))
+    lengths, rate = goodput_plan(expected, passes, target)
+    assert lengths.tolist() == [1] * 4 and rate == pytest.approx(1.0193 * 4 / target[0], rel=1e-3)
+    lengths, rate = goodput_plan(expected, passes, target, min_gain=1.05)
+    assert lengths.tolist() == [0] * 4 and rate == 4 / target[0]
+    passes, target = _costs(_cost(draft_step=0.75, per_row=0.01), 4, 4)  # 1.075x: past the margin
+    assert goodput_plan(expected, passes, target, min_gain=1.05)[0].tolist() == [1] * 4
+
+
+def test_a_catch_up_is_judged_on_the_plan_its_request_drafts_in():
+    """Eight requests alike, two with 250 prompt tokens to catch up (5 s), six with 1,000 (20 s). With all eight
+    drafting, a request's share of the gain covers 5 s; in the plan where only those two draft (each draft pass then
+    serves two requests) it does not: no one drafts, where judging the pair on the whole batch's plan had them draft."""
+    cost = _cost(draft_step=0.2, per_row=0.01)
+    passes, target = _costs(cost, 8, 4)
+    goodput = Goodput(max_draft=4)
+    drafts = np.log(np.full((8, 4), 0.97))
+    for _ in range(10):
+        goodput.survival(drafts, tuple(range(8)))
+        goodput.observe(drafts, np.full(8, 4), np.full(8, 4))
+    assert goodput.draft_lengths(tuple(range(8)), passes, target).tolist() == [4] * 8
+    tokens = np.array([250, 250, 1000, 1000, 1000, 1000, 1000, 1000])
+
+    def owed(drafting: int, tokens: np.ndarray) -> np.ndarray:
+        return 0.02 * tokens
+
+    catch_up = CatchUp(tokens, np.full(8, 100), owed)
+    assert goodput.draft_lengths(tuple(range(8)), passes, target, 0.0, catch_up).tolist() == [0] * 8
+    everyone = CatchUp(np.full(8, 250), np.full(8, 100), owed)  # all pay in the plan where all draft
+    assert goodput.draft_lengths(tuple(range(8)), passes, target, 0.0, everyone).tolist() == [4] * 8
+
+
 def test_drafting_stops_for_a_request_whose_drafts_the_model_doubts():
     """Re-planned on the drafts so far: two requests that have always been accepted alike, one now drafting a token
     its draft model gives 0.1 and the other one it gives 0.99; only the confident one drafts on. Before any draft
@@ -358,7 +394,7 @@ def test_a_short_burst_of_drafting_after_an_exploration_does_not_reset_the_wait(
 
     script: list[int] = []
     monkeypatch.setattr(goodput_module, "goodput_plan",
-                        lambda expected, passes, target, pad_s=0.0, done=0, spent=0.0, allowed=None:
+                        lambda expected, passes, target, pad_s=0.0, done=0, spent=0.0, allowed=None, min_gain=1.0:
                         (np.full(len(expected), script.pop(0)), 1.0))
     goodput = Goodput(max_draft=4)
     goodput.survival(np.log(np.full((1, 4), 0.5)), (0,))
