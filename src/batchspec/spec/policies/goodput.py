@@ -162,25 +162,22 @@ def goodput_plan(expected: np.ndarray, passes: np.ndarray, target: np.ndarray, p
     if rates[best] > best_rate:
         lengths, best_rate = np.bincount(order[:best + 1] // width, minlength=batch), float(rates[best])
     plain = 0.0 if done else batch / float(target[0])  # the rate returned where no plan drafts
-    if batch == 1:  # one request: every plan of one K' is a prefix above, drafted at least as long
-        return lengths, best_rate if lengths.any() else plain
     drafters = batch if allowed is None else int(allowed.sum())
-    if not drafters:
-        return lengths, best_rate if lengths.any() else plain
-    prefix = np.concatenate([np.zeros((batch, 1)), np.cumsum(expected, axis=1)], axis=1)  # (B, K + 1)
-    for k_prime in range(max(done, 1), width + 1):
-        times = spent + (k_prime - done) * passes[drafters] + target
-        if pad_s:  # as `goodput_windows` will choose C, uneven windows priced
-            windows = goodput_windows(expected[:, :k_prime], times, pad_s)
-            verified = int(windows.sum())
-            rate = ((batch + float(prefix[np.arange(batch), windows].sum()))
-                    / (times[verified] + pad_s * (batch * int(windows.max()) - verified)))
-        else:
-            rate = float(capacity_rates(expected[:, :k_prime], times).max())
-        if rate > best_rate:
-            best_rate = rate
-            lengths = (np.full(batch, k_prime, dtype=np.int64) if allowed is None
-                       else np.where(allowed, k_prime, 0).astype(np.int64))
+    if batch > 1 and drafters:  # one request: every plan of one K' is a prefix above, drafted at least as long
+        prefix = np.concatenate([np.zeros((batch, 1)), np.cumsum(expected, axis=1)], axis=1)  # (B, K + 1)
+        for k_prime in range(max(done, 1), width + 1):
+            times = spent + (k_prime - done) * passes[drafters] + target
+            if pad_s:  # as `goodput_windows` will choose C, uneven windows priced
+                windows = goodput_windows(expected[:, :k_prime], times, pad_s)
+                verified = int(windows.sum())
+                rate = ((batch + float(prefix[np.arange(batch), windows].sum()))
+                        / (times[verified] + pad_s * (batch * int(windows.max()) - verified)))
+            else:
+                rate = float(capacity_rates(expected[:, :k_prime], times).max())
+            if rate > best_rate:
+                best_rate = rate
+                lengths = (np.full(batch, k_prime, dtype=np.int64) if allowed is None
+                           else np.where(allowed, k_prime, 0).astype(np.int64))
     return lengths, best_rate if lengths.any() else plain
 
 
