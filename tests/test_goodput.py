@@ -15,9 +15,9 @@ from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import make_policy
 from batchspec.spec.policies.exploration import Exploration
-from batchspec.spec.policies.goodput import (CatchUp, Goodput, capacity_rates, catch_up_pays, drafting_time,
-                                             goodput_capacity, goodput_draft_lengths, goodput_plan, goodput_windows,
-                                             padded_rows, pass_times, smallest_step)
+from batchspec.spec.policies.goodput import (CatchUp, Goodput, capacity_rates, catch_up_pays, drafted_rate,
+                                             drafting_time, goodput_capacity, goodput_draft_lengths, goodput_plan,
+                                             goodput_windows, padded_rows, pass_times, smallest_step)
 from batchspec.spec.policies.tetris import _top_capacity_windows
 from batchspec.spec.proposal import replay_drafting, undrafted
 from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
@@ -606,3 +606,62 @@ def test_exploration_waits_double_from_after_to_most_and_drafting_resets_them(af
         if explores:
             plain, wait = 0, min(2 * wait, most)
         assert after <= exploration.wait == wait <= most
+
+
+def test_prompts_catch_up_only_once_the_outcomes_outweigh_the_prior():
+    """One step of evidence (a warm-up: 4 reached drafts, all accepted) predicts drafting pays for everyone; until the
+    calibration has `min_evidence` outcomes only the request caught up drafts (none: the cheapest to catch up), and
+    then every request whose catch-up pays does."""
+    passes, target = _costs(_cost(draft_step=0.05, per_row=0.01), 3, 4)
+
+    def owed(drafting: int, tokens: np.ndarray) -> np.ndarray:
+        return 0.001 * tokens  # cheap: pays for everyone once the estimate is trusted
+
+    goodput = Goodput(max_draft=4)
+    drafts = np.log(np.full((1, 4), 0.97))
+    goodput.survival(drafts, (0,))
+    goodput.observe(drafts, np.array([4]), np.array([4]))
+    assert goodput.calibration.evidence == 4 < Goodput.min_evidence
+    nobody = CatchUp(np.array([300, 120, 200]), np.full(3, 128), owed)
+    assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, nobody).tolist() == [0, 4, 0]
+    one = CatchUp(np.array([300, 1, 200]), np.full(3, 128), owed)
+    assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, one).tolist() == [0, 4, 0]
+    drafts = np.log(np.full((3, 4), 0.97))
+    while goodput.calibration.evidence < Goodput.min_evidence:
+        goodput.survival(drafts, (0, 1, 2))
+        goodput.observe(drafts, np.full(3, 4), np.full(3, 4))
+    assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, one).tolist() == [4, 4, 4]
+
+
+def test_a_steps_rate_as_drafted_counts_its_passes_rows_and_padding():
+    """Two requests: the first made 3 drafts and had 2 verified (survival 0.9, 0.8), the second made 1, none verified.
+    Passes over 2, 1, 1 requests (0.2 + 0.1 + 0.1 s), the target verifying 2 drafts (1.2 s), 2 query rows padded
+    (0.05 s each): (2 + 1.7) tokens in 1.7 s."""
+    survival = np.array([[0.9, 0.8, 0.7], [0.5, 0.0, 0.0]])
+    passes = np.array([0.0, 0.1, 0.2])
+    target = np.array([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6])
+    rate = drafted_rate(survival, np.array([2, 0]), np.array([3, 1]), passes, target, pad_s=0.05)
+    assert rate == pytest.approx(3.7 / 1.7)
+
+
+def test_plans_that_overpredicted_need_a_larger_margin():
+    """Steps that gave half what their plans predicted: `realized` falls toward 0.5 until a plan that cleared the
+    margin no longer does (it needs 1.05 / realized); a step the plan did not draft teaches nothing."""
+    passes, target = _costs(_cost(draft_step=0.5, per_row=0.01), 2, 4)  # 4 drafts each: ~1.6x plain decoding
+    goodput = Goodput(max_draft=4)
+    drafts = np.log(np.full((2, 4), 0.97))
+    for _ in range(10):
+        goodput.survival(drafts, (0, 1))
+        goodput.observe(drafts, np.full(2, 4), np.full(2, 4))
+    assert goodput.draft_lengths((0, 1), passes, target).tolist() == [4, 4]
+    planned = goodput._planned_rate
+    steps = 0
+    while goodput.draft_lengths((0, 1), passes, target).any():
+        goodput.learn_rate(0.5 * planned)
+        steps += 1
+    gain = planned / (2 / target[0])  # what the plan predicts over plain decoding
+    assert steps < 10 and goodput.realized == pytest.approx(1.0 - 0.5 * (1.0 - 0.8 ** steps))
+    assert 1.05 / goodput.realized > gain >= 1.05 / (1.0 - 0.5 * (1.0 - 0.8 ** (steps - 1)))  # stopped just then
+    before = goodput.realized
+    goodput.learn_rate(0.01 * planned)  # no plan drafted this step
+    assert goodput.realized == before

@@ -71,6 +71,18 @@ def smallest_step(times: np.ndarray) -> float:
     return float(np.diff(times).min()) if len(times) > 1 else 0.0
 
 
+def drafted_rate(survival: np.ndarray, windows: np.ndarray, made: np.ndarray, passes: np.ndarray,
+                 target: np.ndarray, pad_s: float = 0.0) -> float:
+    """Expected tokens per second of a step as drafted and verified: B + the verified drafts' survival (B, K')
+    over the passes that made `made` (B,) drafts and the target's pass over B + sum(windows) rows, padded attention
+    rows priced at pad_s. passes, target: as `goodput_plan` takes them."""
+    batch = len(windows)
+    verified = int(windows.sum())
+    tokens = batch + float(survival[np.arange(survival.shape[1]) < windows[:, None]].sum())
+    padded = batch * (int(windows.max(initial=0)) + 1) - batch - verified
+    return tokens / (drafting_time(made, passes) + float(target[verified]) + pad_s * padded)
+
+
 def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.ndarray, step: float) -> np.ndarray:
     """Which of the requests still drafting may yet have a draft that `goodput_windows` verifies. (B,) bool.
 
@@ -214,6 +226,14 @@ class Goodput:
     # prediction after a run's worth of learning, and plans of one to three requests drafting, predicted at 1.001-1.05
     # of plain decoding, paid for draft passes and catch-ups that the target never gave back (0.90x `ar`).
     min_gain = 1.05
+    # Reached drafts (`AcceptanceCalibration.evidence`) before requests pay for their draft's catch-up: until then only
+    # requests caught up draft (none: the cheapest one catches up and drafts the cap), so that one lucky step (a
+    # bench's warm-up, a server's first request) cannot commit every prompt to the draft's prefill. About the prior's
+    # pseudo-observations in the bins a pair's drafts fall in (4 per bin, 4-6 bins). Measured on the SmolLM2 pair at
+    # batch 16 (AVX2 EPYC), where speculation does not pay: the first step after the warm-up planned 1.5x plain
+    # decoding on the warm-up's one drafting request, caught up 15 prompts (1.15 s of draft prefill: 4 % of the run)
+    # and then stopped drafting.
+    min_evidence = 20.0
 
     def __init__(self, max_draft: int, decay: float = 0.8) -> None:
         self.max_draft = max_draft
@@ -228,6 +248,12 @@ class Goodput:
         self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
         self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
         self._best: tuple | None = None  # (requests, costs, (lengths, rate)) of the last plan, until survival changes
+        # Tokens per second the steps gave as drafted (`drafted_rate`) over what their plans predicted before drafting,
+        # decayed: a plan picks the requests and positions its estimates rate highest, and the drafts then survive
+        # less (measured on the SmolLM2 pair at batch 8: plans of 1.17x plain decoding drafted steps worth 1.01x).
+        # What a catch-up is judged on, and the margin a plan must clear, follow it.
+        self.realized = 1.0
+        self._planned_rate: float | None = None  # the rate the current step's plan predicted (None: not planned)
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
         # Bin 0 (-inf: not drafted, the request stopped early) has rate 0: survives nothing.
@@ -354,6 +380,14 @@ class Goodput:
         lengths = goodput_draft_lengths(expected, passes, target, pad_s, done, drafting_time(made, passes))
         return drafting & (lengths > done)
 
+    def learn_rate(self, rate: float) -> None:
+        """The step planned last gave `rate` tokens per second as drafted (`drafted_rate`): `realized` moves toward
+        its ratio to what the plan predicted (an exploration, or a step the plan did not draft, teaches nothing)."""
+        if self._planned_rate:
+            self.realized += (1.0 - self.decay) * (rate / self._planned_rate - self.realized)
+            self._best = None  # the margin moved
+        self._planned_rate = None
+
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
         seen = None if self._last is None else self._last[0]
         same = seen is logprobs or seen is not None and np.array_equal(seen, logprobs)  # the drafts `survival` saw
@@ -370,31 +404,41 @@ class Goodput:
         it drafts in: the plan is made again without the others, and again, until every request left drafting pays
         for itself in it (the gain of a plan where all draft is not there when only a few do: measured on the Qwen
         pair at batch 8, one or two requests of eight drafting paid their catch-up and a draft pass each for
-        windows of 1-4, 0.91x `ar`); the first step drafts only for the requests cheapest to catch up (already caught
-        up, else the one with the fewest tokens to run), and explorations only for requests caught up (none: no
-        exploration): what they learn decides for the rest, before anyone else pays for a prompt (on the SmolLM2 pair
-        at batch 16, where speculation does not pay, an exploration by a request that never drafted ran its prompt
-        and output so far through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain step)."""
+        windows of 1-4, 0.91x `ar`); until the calibration has `min_evidence` outcomes only the requests caught up
+        draft (none caught up: the cheapest to catch up, the one with the fewest tokens to run), and explorations
+        only requests caught up (none: no exploration): what they learn decides for the rest, before anyone else
+        pays for a prompt (on the SmolLM2 pair at batch 16, where speculation does not pay, an exploration by a
+        request that never drafted ran its prompt and output so far through the draft: 0.2-0.4 s by the draft's
+        profile, against 0.1 s per plain step)."""
         self.exploring = False
+        self._planned_rate = None
         batch = len(requests)
-        if self.expected_survival is None:
+        # Too few outcomes to commit a prompt to the draft's prefill: only the requests caught up may draft.
+        thin = catch_up is not None and self.calibration.evidence < self.min_evidence
+        if self.expected_survival is None or thin and not (catch_up.tokens <= 1).any():
             if catch_up is None:
                 return np.full(batch, self.max_draft, dtype=np.int64)
             return np.where(catch_up.cheapest(), self.max_draft, 0).astype(np.int64)
         own = self._own_rows(requests)
+        # Plans have predicted 1 / realized times what their steps gave: a plan drafts past the margin so corrected.
+        min_gain = self.min_gain / min(self.realized, 1.0)
         if self._best is not None and self._best[0] == requests and self._best[1] is target:
             lengths, rate = self._best[2]  # nothing learned since (plain decoding steps): the same choice
         else:
-            lengths, rate = goodput_plan(own, passes, target, pad_s, min_gain=self.min_gain)
+            lengths, rate = goodput_plan(own, passes, target, pad_s, min_gain=min_gain)
             self._best = requests, target, (lengths, rate)
         while catch_up is not None and lengths.any():  # the drafting requests shrink until each one's catch-up pays
             owed = catch_up.seconds(int(np.count_nonzero(lengths)), catch_up.tokens)
-            pays = catch_up_pays(lengths, own, rate, batch / float(target[0]), owed, catch_up.remaining)
+            pays = catch_up_pays(lengths, own, rate * min(self.realized, 1.0), batch / float(target[0]), owed,
+                                 catch_up.remaining)
+            if thin:
+                pays &= catch_up.tokens <= 1
             if np.array_equal(pays, lengths > 0):
                 break
-            lengths, rate = goodput_plan(own, passes, target, pad_s, allowed=pays, min_gain=self.min_gain)
+            lengths, rate = goodput_plan(own, passes, target, pad_s, allowed=pays, min_gain=min_gain)
         if lengths.any():
             self._exploration.drafted()
+            self._planned_rate = rate
             return lengths
 
         def near() -> bool:  # one draft per request predicted within `near` of plain decoding's rate
