@@ -608,29 +608,31 @@ def test_exploration_waits_double_from_after_to_most_and_drafting_resets_them(af
         assert after <= exploration.wait == wait <= most
 
 
-def test_prompts_catch_up_only_once_the_outcomes_outweigh_the_prior():
-    """One step of evidence (a warm-up: 4 reached drafts, all accepted) predicts drafting pays for everyone; until the
-    calibration has `min_evidence` outcomes only the request caught up drafts (none: the cheapest to catch up), and
-    then every request whose catch-up pays does."""
+def test_until_the_outcomes_outweigh_the_prior_a_catch_up_must_pay_twice_over():
+    """One step of evidence (a warm-up: 4 reached drafts, all accepted). With no request caught up the cheapest one
+    drafts, the cap; with one caught up, catch-ups paying 1.5 times over wait until the calibration has
+    `min_evidence` outcomes, and ones paying 3 times over go ahead."""
     passes, target = _costs(_cost(draft_step=0.05, per_row=0.01), 3, 4)
-
-    def owed(drafting: int, tokens: np.ndarray) -> np.ndarray:
-        return 0.001 * tokens  # cheap: pays for everyone once the estimate is trusted
-
     goodput = Goodput(max_draft=4)
     drafts = np.log(np.full((1, 4), 0.97))
     goodput.survival(drafts, (0,))
     goodput.observe(drafts, np.array([4]), np.array([4]))
     assert goodput.calibration.evidence == 4 < Goodput.min_evidence
-    nobody = CatchUp(np.array([300, 120, 200]), np.full(3, 128), owed)
+    nobody = CatchUp(np.array([300, 120, 200]), np.full(3, 128), lambda drafting, tokens: 0.001 * tokens)
     assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, nobody).tolist() == [0, 4, 0]
-    one = CatchUp(np.array([300, 1, 200]), np.full(3, 128), owed)
-    assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, one).tolist() == [0, 4, 0]
-    drafts = np.log(np.full((3, 4), 0.97))
-    while goodput.calibration.evidence < Goodput.min_evidence:
-        goodput.survival(drafts, (0, 1, 2))
-        goodput.observe(drafts, np.full(3, 4), np.full(3, 4))
-    assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, one).tolist() == [4, 4, 4]
+    # What each request's catch-up would save in the plan where all three draft (`catch_up_pays`).
+    own = goodput._own_rows((0, 1, 2))
+    lengths, rate = goodput_plan(own, passes, target, min_gain=Goodput.min_gain)
+    accepted = np.where(np.arange(4) < lengths[:, None], own, 0.0).sum(axis=1)
+    saving = (target[0] / 3 - 1 / rate) * 3 * accepted / accepted.sum() * 128
+    tokens = np.array([300, 1, 200])
+    for over, thin in ((1.5, [0, 4, 0]), (3.0, [4, 4, 4])):
+        owed = np.where(tokens > 1, saving / over, 0.0)
+        catch_up = CatchUp(tokens, np.full(3, 128), lambda drafting, tokens, owed=owed: owed)
+        assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, catch_up).tolist() == thin
+        goodput.min_evidence = 0.0  # as if the outcomes were in
+        assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, catch_up).tolist() == [4, 4, 4]
+        goodput.min_evidence = Goodput.min_evidence
 
 
 def test_a_steps_rate_as_drafted_counts_its_passes_rows_and_padding():
