@@ -252,10 +252,10 @@ class Goodput:
         self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
         self._best: tuple | None = None  # (requests, costs, (lengths, rate)) of the last plan, until survival changes
         # Tokens per second the steps gave as drafted (`drafted_rate`) over what their plans predicted before drafting,
-        # decayed: a plan picks the requests and positions its estimates rate highest, and the drafts then survive
-        # less (measured on the SmolLM2 pair at batch 8: plans of 1.17x plain decoding drafted steps worth 1.01x).
-        # What a catch-up is judged on, and the margin a plan must clear, follow it.
-        self.realized = 1.0
+        # both decayed sums: a plan picks the requests and positions its estimates rate highest, and the drafts then
+        # survive less (measured on the SmolLM2 pair at batch 8: plans of 1.17x plain decoding drafted steps worth
+        # 1.01x). What a catch-up is judged on follows it (`draft_lengths`).
+        self._rates = np.zeros(2)  # (drafted, planned)
         self._planned_rate: float | None = None  # the rate the current step's plan predicted (None: not planned)
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
@@ -383,12 +383,18 @@ class Goodput:
         lengths = goodput_draft_lengths(expected, passes, target, pad_s, done, drafting_time(made, passes))
         return drafting & (lengths > done)
 
+    @property
+    def realized(self) -> float:
+        """What drafted steps gave over what their plans predicted (1 before any)."""
+        drafted, planned = self._rates
+        return float(drafted / planned) if planned else 1.0
+
     def learn_rate(self, rate: float) -> None:
-        """The step planned last gave `rate` tokens per second as drafted (`drafted_rate`): `realized` moves toward
-        its ratio to what the plan predicted (an exploration, or a step the plan did not draft, teaches nothing)."""
+        """The step planned last gave `rate` tokens per second as drafted (`drafted_rate`), against what its plan
+        predicted (an exploration, or a step the plan did not draft, teaches nothing)."""
         if self._planned_rate:
-            self.realized += (1.0 - self.decay) * (rate / self._planned_rate - self.realized)
-            self._best = None  # the margin moved
+            self._rates *= self.decay
+            self._rates += (rate, self._planned_rate)
         self._planned_rate = None
 
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
@@ -424,8 +430,7 @@ class Goodput:
                 return np.full(batch, self.max_draft, dtype=np.int64)
             return np.where(catch_up.cheapest(), self.max_draft, 0).astype(np.int64)
         own = self._own_rows(requests)
-        # Plans have predicted 1 / realized times what their steps gave: a plan drafts past the margin so corrected.
-        min_gain = self.min_gain / min(self.realized, 1.0)
+        min_gain = self.min_gain
         if self._best is not None and self._best[0] == requests and self._best[1] is target:
             lengths, rate = self._best[2]  # nothing learned since (plain decoding steps): the same choice
         else:
@@ -433,6 +438,7 @@ class Goodput:
             self._best = requests, target, (lengths, rate)
         while catch_up is not None and lengths.any():  # the drafting requests shrink until each one's catch-up pays
             owed = catch_up.seconds(int(np.count_nonzero(lengths)), catch_up.tokens)
+            # The plan's rate as its steps have given it: a prompt's prefill is paid once, on what drafting gains.
             pays = catch_up_pays(lengths, own, rate * min(self.realized, 1.0), batch / float(target[0]),
                                  owed * (self.thin_margin if thin else 1.0), catch_up.remaining)
             if np.array_equal(pays, lengths > 0):
