@@ -15,9 +15,9 @@ from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import make_policy
 from batchspec.spec.policies.exploration import Exploration
-from batchspec.spec.policies.goodput import (CatchUp, Goodput, capacity_rates, catch_up_pays, drafted_rate,
-                                             drafting_time, goodput_capacity, goodput_draft_lengths, goodput_plan,
-                                             goodput_windows, padded_rows, pass_times, smallest_step)
+from batchspec.spec.policies.goodput import (CatchUp, Goodput, capacity_rates, catch_up_pays, drafting_time,
+                                             goodput_capacity, goodput_draft_lengths, goodput_plan, goodput_windows,
+                                             padded_rows, pass_times, smallest_step)
 from batchspec.spec.policies.tetris import _top_capacity_windows
 from batchspec.spec.proposal import replay_drafting, undrafted
 from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
@@ -633,44 +633,3 @@ def test_until_the_outcomes_outweigh_the_prior_a_catch_up_must_pay_twice_over():
         goodput.min_evidence = 0.0  # as if the outcomes were in
         assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, catch_up).tolist() == [4, 4, 4]
         goodput.min_evidence = Goodput.min_evidence
-
-
-def test_a_steps_rate_as_drafted_counts_its_passes_rows_and_padding():
-    """Two requests: the first made 3 drafts and had 2 verified (survival 0.9, 0.8), the second made 1, none verified.
-    Passes over 2, 1, 1 requests (0.2 + 0.1 + 0.1 s), the target verifying 2 drafts (1.2 s), 2 query rows padded
-    (0.05 s each): (2 + 1.7) tokens in 1.7 s."""
-    survival = np.array([[0.9, 0.8, 0.7], [0.5, 0.0, 0.0]])
-    passes = np.array([0.0, 0.1, 0.2])
-    target = np.array([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6])
-    rate = drafted_rate(survival, np.array([2, 0]), np.array([3, 1]), passes, target, pad_s=0.05)
-    assert rate == pytest.approx(3.7 / 1.7)
-
-
-def test_catch_ups_are_judged_on_what_drafted_steps_gave():
-    """Drafted steps that gave half what their plans predicted (`realized`, a ratio of decayed sums): a catch-up that
-    paid on the plan's rate no longer does; the plan itself still drafts, and a step the plan did not draft (here, an
-    exploration) teaches nothing."""
-    passes, target = _costs(_cost(draft_step=0.05, per_row=0.01), 2, 4)
-    goodput = Goodput(max_draft=4)
-    drafts = np.log(np.full((2, 4), 0.97))
-    for _ in range(10):
-        goodput.survival(drafts, (0, 1))
-        goodput.observe(drafts, np.full(2, 4), np.full(2, 4))
-    assert goodput.realized == 1.0
-    lengths, rate = goodput_plan(goodput._own_rows((0, 1)), passes, target, min_gain=Goodput.min_gain)
-    assert lengths.tolist() == [4, 4]
-    plain = 2 / target[0]
-    saving = (1 / plain - 1 / rate) * 100  # request 1's share (half) of what the plan saves over 2 x 100 tokens
-    half = (1 / plain - 1 / (0.5 * rate)) * 100  # ... at half the plan's rate
-    behind = CatchUp(np.array([0, 500]), np.full(2, 100), lambda drafting, tokens: np.array([0.0, (saving + half) / 2]))
-    assert goodput.draft_lengths((0, 1), passes, target, 0.0, behind).tolist() == [4, 4]
-    for _ in range(3):
-        goodput.learn_rate(0.5 * goodput._planned_rate)
-        goodput.draft_lengths((0, 1), passes, target, 0.0, behind)
-    assert goodput.realized == pytest.approx(0.5)
-    assert goodput.draft_lengths((0, 1), passes, target, 0.0, behind).tolist() == [4, 0]
-    assert goodput.draft_lengths((0, 1), passes, target).tolist() == [4, 4]
-    goodput.draft_lengths((0, 1), passes, target, 0.0, CatchUp(np.array([9, 9]), np.full(2, 100),
-                                                                lambda drafting, tokens: np.full(2, 1e9)))
-    goodput.learn_rate(0.01)  # nothing drafted: no plan to compare with
-    assert goodput.realized == pytest.approx(0.5)

@@ -71,18 +71,6 @@ def smallest_step(times: np.ndarray) -> float:
     return float(np.diff(times).min()) if len(times) > 1 else 0.0
 
 
-def drafted_rate(survival: np.ndarray, windows: np.ndarray, made: np.ndarray, passes: np.ndarray,
-                 target: np.ndarray, pad_s: float = 0.0) -> float:
-    """Expected tokens per second of a step as drafted and verified: B + the verified drafts' survival (B, K')
-    over the passes that made `made` (B,) drafts and the target's pass over B + sum(windows) rows, padded attention
-    rows priced at pad_s. passes, target: as `goodput_plan` takes them."""
-    batch = len(windows)
-    verified = int(windows.sum())
-    tokens = batch + float(survival[np.arange(survival.shape[1]) < windows[:, None]].sum())
-    padded = batch * (int(windows.max(initial=0)) + 1) - batch - verified
-    return tokens / (drafting_time(made, passes) + float(target[verified]) + pad_s * padded)
-
-
 def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.ndarray, step: float) -> np.ndarray:
     """Which of the requests still drafting may yet have a draft that `goodput_windows` verifies. (B,) bool.
 
@@ -251,12 +239,6 @@ class Goodput:
         self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
         self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
         self._best: tuple | None = None  # (requests, costs, (lengths, rate)) of the last plan, until survival changes
-        # Tokens per second the steps gave as drafted (`drafted_rate`) over what their plans predicted before drafting,
-        # both decayed sums: a plan picks the requests and positions its estimates rate highest, and the drafts then
-        # survive less (measured on the SmolLM2 pair at batch 8: plans of 1.17x plain decoding drafted steps worth
-        # 1.01x). What a catch-up is judged on follows it (`draft_lengths`).
-        self._rates = np.zeros(2)  # (drafted, planned)
-        self._planned_rate: float | None = None  # the rate the current step's plan predicted (None: not planned)
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
         # Bin 0 (-inf: not drafted, the request stopped early) has rate 0: survives nothing.
@@ -383,20 +365,6 @@ class Goodput:
         lengths = goodput_draft_lengths(expected, passes, target, pad_s, done, drafting_time(made, passes))
         return drafting & (lengths > done)
 
-    @property
-    def realized(self) -> float:
-        """What drafted steps gave over what their plans predicted (1 before any)."""
-        drafted, planned = self._rates
-        return float(drafted / planned) if planned else 1.0
-
-    def learn_rate(self, rate: float) -> None:
-        """The step planned last gave `rate` tokens per second as drafted (`drafted_rate`), against what its plan
-        predicted (an exploration, or a step the plan did not draft, teaches nothing)."""
-        if self._planned_rate:
-            self._rates *= self.decay
-            self._rates += (rate, self._planned_rate)
-        self._planned_rate = None
-
     def observe(self, logprobs: np.ndarray, windows: np.ndarray, accepted: np.ndarray) -> None:
         seen = None if self._last is None else self._last[0]
         same = seen is logprobs or seen is not None and np.array_equal(seen, logprobs)  # the drafts `survival` saw
@@ -415,13 +383,11 @@ class Goodput:
         pair at batch 8, one or two requests of eight drafting paid their catch-up and a draft pass each for
         windows of 1-4, 0.91x `ar`); until the calibration has `min_evidence` outcomes a catch-up must pay
         `thin_margin` times over (none caught up: the cheapest to catch up, the one with the fewest tokens to run,
-        drafts the cap), and explorations
-        only requests caught up (none: no exploration): what they learn decides for the rest, before anyone else
-        pays for a prompt (on the SmolLM2 pair at batch 16, where speculation does not pay, an exploration by a
-        request that never drafted ran its prompt and output so far through the draft: 0.2-0.4 s by the draft's
-        profile, against 0.1 s per plain step)."""
+        drafts the cap), and explorations draft only for requests caught up (none: no exploration): what they learn
+        decides for the rest, before anyone else pays for a prompt (on the SmolLM2 pair at batch 16, where
+        speculation does not pay, an exploration by a request that never drafted ran its prompt and output so far
+        through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain step)."""
         self.exploring = False
-        self._planned_rate = None
         batch = len(requests)
         # Few outcomes yet: a prompt goes to the draft's prefill only on a clear gain.
         thin = catch_up is not None and self.calibration.evidence < self.min_evidence
@@ -430,23 +396,20 @@ class Goodput:
                 return np.full(batch, self.max_draft, dtype=np.int64)
             return np.where(catch_up.cheapest(), self.max_draft, 0).astype(np.int64)
         own = self._own_rows(requests)
-        min_gain = self.min_gain
         if self._best is not None and self._best[0] == requests and self._best[1] is target:
             lengths, rate = self._best[2]  # nothing learned since (plain decoding steps): the same choice
         else:
-            lengths, rate = goodput_plan(own, passes, target, pad_s, min_gain=min_gain)
+            lengths, rate = goodput_plan(own, passes, target, pad_s, min_gain=self.min_gain)
             self._best = requests, target, (lengths, rate)
         while catch_up is not None and lengths.any():  # the drafting requests shrink until each one's catch-up pays
             owed = catch_up.seconds(int(np.count_nonzero(lengths)), catch_up.tokens)
-            # The plan's rate as its steps have given it: a prompt's prefill is paid once, on what drafting gains.
-            pays = catch_up_pays(lengths, own, rate * min(self.realized, 1.0), batch / float(target[0]),
-                                 owed * (self.thin_margin if thin else 1.0), catch_up.remaining)
+            margin = self.thin_margin if thin else 1.0
+            pays = catch_up_pays(lengths, own, rate, batch / float(target[0]), owed * margin, catch_up.remaining)
             if np.array_equal(pays, lengths > 0):
                 break
-            lengths, rate = goodput_plan(own, passes, target, pad_s, allowed=pays, min_gain=min_gain)
+            lengths, rate = goodput_plan(own, passes, target, pad_s, allowed=pays, min_gain=self.min_gain)
         if lengths.any():
             self._exploration.drafted()
-            self._planned_rate = rate
             return lengths
 
         def near() -> bool:  # one draft per request predicted within `near` of plain decoding's rate

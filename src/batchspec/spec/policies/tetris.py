@@ -22,8 +22,8 @@ from torch import Tensor
 
 from batchspec.errors import BatchspecError
 from batchspec.spec.policies.base import Plan, Policy, sd_windows
-from batchspec.spec.policies.goodput import (CatchUp, Goodput, drafted_rate, drafting_time, goodput_windows,
-                                             pass_times, smallest_step)
+from batchspec.spec.policies.goodput import (CatchUp, Goodput, drafting_time, goodput_windows, pass_times,
+                                             smallest_step)
 from batchspec.spec.proposal import KeepDrafting
 from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
 
@@ -265,11 +265,7 @@ class TetrisPolicy(Policy):
             survival = self.goodput.survival(logprobs, plan.requests)  # (B, K')
             if self.goodput.exploring:  # an exploration learns only from drafts the target verifies
                 return torch.minimum(torch.from_numpy(lengths), proposal.drafted)
-            windows = goodput_windows(survival, self._step_times(plan, batch_size), plan.step_time.pad_s)
-            passes, target = self._step_costs(plan.step_time, batch_size)
-            made = np.count_nonzero(logprobs > -np.inf, axis=1)  # (B,) drafts each request made (pruned drafting)
-            self.goodput.learn_rate(drafted_rate(survival, windows, made, passes, target, plan.step_time.pad_s))
-            return torch.from_numpy(windows)
+            return torch.from_numpy(goodput_windows(survival, self._step_times(plan, batch_size), plan.step_time.pad_s))
         if self.calibrated:  # top-C by calibrated survival
             return _top_capacity_windows(torch.from_numpy(self.goodput.survival(proposal.logprobs.numpy())),
                                          plan.capacity)
