@@ -610,8 +610,8 @@ def test_exploration_waits_double_from_after_to_most_and_drafting_resets_them(af
 
 def test_until_the_outcomes_outweigh_the_prior_a_catch_up_must_pay_twice_over():
     """One step of evidence (a warm-up: 4 reached drafts, all accepted). With no request caught up the cheapest one
-    drafts, the cap; with one caught up, catch-ups paying 1.5 times over wait until the calibration has
-    `min_evidence` outcomes, and ones paying 3 times over go ahead."""
+    drafts, the cap; with one caught up, it drafts the cap whatever the plan, catch-ups paying 1.5 times over wait
+    until the calibration has `min_evidence` outcomes, and ones paying 3 times over go ahead."""
     passes, target = _costs(_cost(draft_step=0.05, per_row=0.01), 3, 4)
     goodput = Goodput(max_draft=4)
     drafts = np.log(np.full((1, 4), 0.97))
@@ -626,6 +626,9 @@ def test_until_the_outcomes_outweigh_the_prior_a_catch_up_must_pay_twice_over():
     accepted = np.where(np.arange(4) < lengths[:, None], own, 0.0).sum(axis=1)
     saving = (target[0] / 3 - 1 / rate) * 3 * accepted / accepted.sum() * 128
     tokens = np.array([300, 1, 200])
+    far = _costs(_cost(draft_step=5.0, per_row=0.01), 3, 4)  # no plan drafts: the request caught up still does
+    assert goodput.draft_lengths((0, 1, 2), *far, 0.0, CatchUp(np.array([300, 1, 200]), np.full(3, 128),
+                                                              nobody.seconds)).tolist() == [0, 4, 0]
     for over, thin in ((1.5, [0, 4, 0]), (3.0, [4, 4, 4])):
         owed = np.where(tokens > 1, saving / over, 0.0)
         catch_up = CatchUp(tokens, np.full(3, 128), lambda drafting, tokens, owed=owed: owed)

@@ -216,13 +216,14 @@ class Goodput:
     min_gain = 1.05
     # Until the calibration has this many outcomes (reached drafts, `AcceptanceCalibration.evidence`: about the prior's
     # pseudo-observations in the bins a pair's drafts fall in, 4 per bin, 4-6 bins) a request's catch-up must pay
-    # `thin_margin` times over, and where no request is caught up the cheapest one catches up and drafts the cap: one
-    # lucky step (a bench's warm-up, a server's first request) cannot commit every prompt to the draft's prefill, and
-    # a clear gain still can. Measured on the AVX2 EPYC: the SmolLM2 pair at batch 16, where speculation does not pay,
-    # planned 1.5x plain decoding on the warm-up's one drafting request and caught up 15 prompts (1.15 s of draft
-    # prefill, 4 % of the run) before it stopped drafting, its catch-ups paying ~1.1 times over by the plan; the Qwen
-    # pair at batch 8, where it pays (dsd 1.12x `ar`), lost 6 % to dsd when only requests caught up could draft
-    # until then (3-4 steps of one request drafting), its catch-ups paying ~2.3 times over.
+    # `thin_margin` times over, and the requests caught up draft the cap whatever the plan (none caught up: the
+    # cheapest one catches up), so that the outcomes come in: one lucky step (a bench's warm-up, a server's first
+    # request) cannot commit every prompt to the draft's prefill, and a clear gain still can. Measured on the AVX2
+    # EPYC: the SmolLM2 pair at batch 16, where speculation does not pay, planned 1.5x plain decoding on the warm-up's
+    # one drafting request and caught up 15 prompts (1.15 s of draft prefill, 4 % of the run) before it stopped
+    # drafting, its catch-ups paying ~1.1 times over by the plan; the Qwen pair at batch 8, where it pays, ~2.3 times.
+    # Without the cap for those caught up, a plan of one request drafting among eight rarely pays for its draft
+    # passes, no outcome came in and the others never caught up (that Qwen point: 183 target calls to dsd's 59).
     min_evidence = 20.0
     thin_margin = 2.0
 
@@ -382,11 +383,12 @@ class Goodput:
         for itself in it (the gain of a plan where all draft is not there when only a few do: measured on the Qwen
         pair at batch 8, one or two requests of eight drafting paid their catch-up and a draft pass each for
         windows of 1-4, 0.91x `ar`); until the calibration has `min_evidence` outcomes a catch-up must pay
-        `thin_margin` times over (none caught up: the cheapest to catch up, the one with the fewest tokens to run,
-        drafts the cap), and explorations draft only for requests caught up (none: no exploration): what they learn
-        decides for the rest, before anyone else pays for a prompt (on the SmolLM2 pair at batch 16, where
-        speculation does not pay, an exploration by a request that never drafted ran its prompt and output so far
-        through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain step)."""
+        `thin_margin` times over and the requests caught up draft the cap (none caught up: the cheapest to catch up,
+        the one with the fewest tokens to run), and explorations draft only for requests caught up (none: no
+        exploration): what they learn decides for the rest, before anyone else pays for a prompt (on the SmolLM2
+        pair at batch 16, where speculation does not pay, an exploration by a request that never drafted ran its
+        prompt and output so far through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain
+        step)."""
         self.exploring = False
         batch = len(requests)
         # Few outcomes yet: a prompt goes to the draft's prefill only on a clear gain.
@@ -408,6 +410,8 @@ class Goodput:
             if np.array_equal(pays, lengths > 0):
                 break
             lengths, rate = goodput_plan(own, passes, target, pad_s, allowed=pays, min_gain=self.min_gain)
+        if thin:  # the requests caught up draft the cap, whatever the plan, until the outcomes are in
+            lengths = np.where(catch_up.tokens <= 1, self.max_draft, lengths)
         if lengths.any():
             self._exploration.drafted()
             return lengths
