@@ -606,33 +606,3 @@ def test_exploration_waits_double_from_after_to_most_and_drafting_resets_them(af
         if explores:
             plain, wait = 0, min(2 * wait, most)
         assert after <= exploration.wait == wait <= most
-
-
-def test_until_the_outcomes_outweigh_the_prior_a_catch_up_must_pay_twice_over():
-    """One step of evidence (a warm-up: 4 reached drafts, all accepted). With no request caught up the cheapest one
-    drafts, the cap; with one caught up, it drafts the cap whatever the plan, catch-ups paying 1.5 times over wait
-    until the calibration has `min_evidence` outcomes, and ones paying 3 times over go ahead."""
-    passes, target = _costs(_cost(draft_step=0.05, per_row=0.01), 3, 4)
-    goodput = Goodput(max_draft=4)
-    drafts = np.log(np.full((1, 4), 0.97))
-    goodput.survival(drafts, (0,))
-    goodput.observe(drafts, np.array([4]), np.array([4]))
-    assert goodput.calibration.evidence == 4 < Goodput.min_evidence
-    nobody = CatchUp(np.array([300, 120, 200]), np.full(3, 128), lambda drafting, tokens: 0.001 * tokens)
-    assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, nobody).tolist() == [0, 4, 0]
-    # What each request's catch-up would save in the plan where all three draft (`catch_up_pays`).
-    own = goodput._own_rows((0, 1, 2))
-    lengths, rate = goodput_plan(own, passes, target, min_gain=Goodput.min_gain)
-    accepted = np.where(np.arange(4) < lengths[:, None], own, 0.0).sum(axis=1)
-    saving = (target[0] / 3 - 1 / rate) * 3 * accepted / accepted.sum() * 128
-    tokens = np.array([300, 1, 200])
-    far = _costs(_cost(draft_step=5.0, per_row=0.01), 3, 4)  # no plan drafts: the request caught up still does
-    assert goodput.draft_lengths((0, 1, 2), *far, 0.0, CatchUp(np.array([300, 1, 200]), np.full(3, 128),
-                                                              nobody.seconds)).tolist() == [0, 4, 0]
-    for over, thin in ((1.5, [0, 4, 0]), (3.0, [4, 4, 4])):
-        owed = np.where(tokens > 1, saving / over, 0.0)
-        catch_up = CatchUp(tokens, np.full(3, 128), lambda drafting, tokens, owed=owed: owed)
-        assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, catch_up).tolist() == thin
-        goodput.min_evidence = 0.0  # as if the outcomes were in
-        assert goodput.draft_lengths((0, 1, 2), passes, target, 0.0, catch_up).tolist() == [4, 4, 4]
-        goodput.min_evidence = Goodput.min_evidence

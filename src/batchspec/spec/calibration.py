@@ -52,11 +52,6 @@ class AcceptanceCalibration:
         if self._evidence - self._fitted_on >= self.refit_growth * self._fitted_on:
             self.__dict__.pop("rates", None)  # fitted again at the next estimate
 
-    @property
-    def evidence(self) -> float:
-        """Reached drafts counted so far: the outcomes behind the rates, beside the prior's `prior_strength` per bin."""
-        return self._evidence
-
     @cached_property
     def rates(self) -> np.ndarray:
         """(1 + bins,) P(accept) by `bin_of`: 0 for bin 0 (not a draft), then posterior means, non-decreasing in q.

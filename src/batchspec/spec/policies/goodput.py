@@ -214,18 +214,6 @@ class Goodput:
     # prediction after a run's worth of learning, and plans of one to three requests drafting, predicted at 1.001-1.05
     # of plain decoding, paid for draft passes and catch-ups that the target never gave back (0.90x `ar`).
     min_gain = 1.05
-    # Until the calibration has this many outcomes (reached drafts, `AcceptanceCalibration.evidence`: about the prior's
-    # pseudo-observations in the bins a pair's drafts fall in, 4 per bin, 4-6 bins) a request's catch-up must pay
-    # `thin_margin` times over, and the requests caught up draft the cap whatever the plan (none caught up: the
-    # cheapest one catches up), so that the outcomes come in: one lucky step (a bench's warm-up, a server's first
-    # request) cannot commit every prompt to the draft's prefill, and a clear gain still can. Measured on the AVX2
-    # EPYC: the SmolLM2 pair at batch 16, where speculation does not pay, planned 1.5x plain decoding on the warm-up's
-    # one drafting request and caught up 15 prompts (1.15 s of draft prefill, 4 % of the run) before it stopped
-    # drafting, its catch-ups paying ~1.1 times over by the plan; the Qwen pair at batch 8, where it pays, ~2.3 times.
-    # Without the cap for those caught up, a plan of one request drafting among eight rarely pays for its draft
-    # passes, no outcome came in and the others never caught up (that Qwen point: 183 target calls to dsd's 59).
-    min_evidence = 20.0
-    thin_margin = 2.0
 
     def __init__(self, max_draft: int, decay: float = 0.8) -> None:
         self.max_draft = max_draft
@@ -382,18 +370,14 @@ class Goodput:
         it drafts in: the plan is made again without the others, and again, until every request left drafting pays
         for itself in it (the gain of a plan where all draft is not there when only a few do: measured on the Qwen
         pair at batch 8, one or two requests of eight drafting paid their catch-up and a draft pass each for
-        windows of 1-4, 0.91x `ar`); until the calibration has `min_evidence` outcomes a catch-up must pay
-        `thin_margin` times over and the requests caught up draft the cap (none caught up: the cheapest to catch up,
-        the one with the fewest tokens to run), and explorations draft only for requests caught up (none: no
-        exploration): what they learn decides for the rest, before anyone else pays for a prompt (on the SmolLM2
-        pair at batch 16, where speculation does not pay, an exploration by a request that never drafted ran its
-        prompt and output so far through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain
-        step)."""
+        windows of 1-4, 0.91x `ar`); the first step drafts only for the requests cheapest to catch up (already caught
+        up, else the one with the fewest tokens to run), and explorations only for requests caught up (none: no
+        exploration): what they learn decides for the rest, before anyone else pays for a prompt (on the SmolLM2 pair
+        at batch 16, where speculation does not pay, an exploration by a request that never drafted ran its prompt
+        and output so far through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain step)."""
         self.exploring = False
         batch = len(requests)
-        # Few outcomes yet: a prompt goes to the draft's prefill only on a clear gain.
-        thin = catch_up is not None and self.calibration.evidence < self.min_evidence
-        if self.expected_survival is None or thin and not (catch_up.tokens <= 1).any():
+        if self.expected_survival is None:
             if catch_up is None:
                 return np.full(batch, self.max_draft, dtype=np.int64)
             return np.where(catch_up.cheapest(), self.max_draft, 0).astype(np.int64)
@@ -405,13 +389,10 @@ class Goodput:
             self._best = requests, target, (lengths, rate)
         while catch_up is not None and lengths.any():  # the drafting requests shrink until each one's catch-up pays
             owed = catch_up.seconds(int(np.count_nonzero(lengths)), catch_up.tokens)
-            margin = self.thin_margin if thin else 1.0
-            pays = catch_up_pays(lengths, own, rate, batch / float(target[0]), owed * margin, catch_up.remaining)
+            pays = catch_up_pays(lengths, own, rate, batch / float(target[0]), owed, catch_up.remaining)
             if np.array_equal(pays, lengths > 0):
                 break
             lengths, rate = goodput_plan(own, passes, target, pad_s, allowed=pays, min_gain=self.min_gain)
-        if thin:  # the requests caught up draft the cap, whatever the plan, until the outcomes are in
-            lengths = np.where(catch_up.tokens <= 1, self.max_draft, lengths)
         if lengths.any():
             self._exploration.drafted()
             return lengths
