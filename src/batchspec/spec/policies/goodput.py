@@ -158,10 +158,10 @@ def goodput_plan(expected: np.ndarray, passes: np.ndarray, target: np.ndarray, p
     rates = (batch + np.cumsum(flat[order])) / seconds
     best = int(np.argmax(rates))
     lengths = np.zeros(batch, dtype=np.int64)
-    best_rate = min_gain * batch / float(target[0]) if not done else 0.0  # drafting started: K' = done stops it
+    plain = 0.0 if done else batch / float(target[0])  # the rate returned where no plan drafts
+    best_rate = min_gain * plain  # 0 once drafting started: K' = done stops it
     if rates[best] > best_rate:
         lengths, best_rate = np.bincount(order[:best + 1] // width, minlength=batch), float(rates[best])
-    plain = 0.0 if done else batch / float(target[0])  # the rate returned where no plan drafts
     drafters = batch if allowed is None else int(allowed.sum())
     if batch > 1 and drafters:  # one request: every plan of one K' is a prefix above, drafted at least as long
         prefix = np.concatenate([np.zeros((batch, 1)), np.cumsum(expected, axis=1)], axis=1)  # (B, K + 1)
