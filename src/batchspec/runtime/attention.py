@@ -3,7 +3,9 @@
 Linear layers run on the packed tokens `(T, hidden)`; only attention pads, to `(B, n_max)` queries against each
 request's cached keys, masked by position. Everything that depends on the batch's shape and not on the layer
 (positions, RoPE rows, the mask, which cache path to read) is computed once per forward by `attention_metadata`
-and handed to every layer's `attention`.
+and handed to every layer's `attention`. A batch whose appends differ widely (a request catching up a whole prompt in
+a draft pass beside requests appending one token) attends in groups of similar appends (`attention_groups`) rather
+than padding every request to the longest.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class AttentionMetadata:
     hi: int
     span_rows_d: torch.Tensor  # (B,) row of each request's slot within the span, slots - lo
     slots_d: torch.Tensor | None  # (B,) the slots, for gathering their keys; None when read in place
+    # The batch attended in groups (`attention_groups`): each group's own metadata and its tokens' (T_g,) indices
+    # among the T packed tokens; empty when the batch attends as one.
+    groups: tuple[tuple[AttentionMetadata, torch.Tensor], ...] = ()
 
     @property
     def decode(self) -> bool:
@@ -66,12 +71,52 @@ def packed_offsets(num_new: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total) - torch.repeat_interleave(first, num_new)
 
 
+# A batch is split for attention only when some request appends at least this many tokens (a prompt, not a
+# verification window: a step's windows stay one padded batch, so verification runs exactly as before) ...
+GROUP_MIN_APPEND = 16
+# ... and when the groups' padded query-key products come to at most this share of the whole batch's.
+GROUP_MAX_SHARE = 0.75
+
+
+def attention_groups(num_new: torch.Tensor, ends: torch.Tensor) -> list[torch.Tensor]:
+    """The rows of a ragged batch in groups that attend separately: a partition of range(B) into (B_g,) index tensors,
+    each ascending. One group (the whole batch) unless splitting pays.
+
+    Padded attention costs each group B_g * n_max_g * L_g query-key products (its requests, its longest append,
+    its longest sequence). Rows sorted by append are split in two where that cost is least, if the two groups cost
+    at most `GROUP_MAX_SHARE` of the one, and each group is split again by the same rule. Measured on the Qwen2.5
+    0.5B int4 draft, 256 tokens of context: one request appending 150 tokens beside seven appending 1 took 2,328 ms
+    as one batch, against 1,363 + 133 ms for the two apart.
+    """
+    groups: list[torch.Tensor] = []
+    pending = [torch.argsort(num_new, stable=True)]
+    while pending:
+        rows = pending.pop()
+        n, length = num_new[rows], ends[rows]  # n ascending
+        count = int(rows.numel())
+        if count == 1 or int(n[-1]) < GROUP_MIN_APPEND:
+            groups.append(torch.sort(rows).values)
+            continue
+        # Split after the first s rows, s = 1 .. count-1: short rows [0, s), long rows [s, count).
+        s = torch.arange(1, count)
+        short = s * n[:-1] * torch.cummax(length, 0).values[:-1]
+        long_len = torch.flip(torch.cummax(torch.flip(length, (0,)), 0).values, (0,))[1:]  # max length[s:]
+        cost = short + (count - s) * n[-1] * long_len
+        best = int(torch.argmin(cost))
+        if float(cost[best]) > GROUP_MAX_SHARE * count * int(n[-1]) * int(length.max()):
+            groups.append(torch.sort(rows).values)
+            continue
+        pending += [rows[:best + 1], rows[best + 1:]]
+    return sorted(groups, key=lambda g: int(g[0]))
+
+
 def attention_metadata(cache: KVCache, slots: torch.Tensor, num_new: torch.Tensor, rope_cos: torch.Tensor,
                        rope_sin: torch.Tensor, num_groups: int, attn_dtype: torch.dtype,
-                       device: torch.device) -> AttentionMetadata:
+                       device: torch.device, grouped: bool = True) -> AttentionMetadata:
     """The metadata of appending `num_new[b] >= 1` tokens to cache slot `slots[b]` (both (B,) int64, on the host).
 
     rope_cos, rope_sin: (P, D) tables on `device`. Raises if an append would run past the cache's context.
+    grouped: whether a widely ragged batch may attend in groups (`attention_groups`).
     """
     batch = int(slots.numel())
     starts = cache.lengths[slots]  # (B,)
@@ -102,13 +147,24 @@ def attention_metadata(cache: KVCache, slots: torch.Tensor, num_new: torch.Tenso
         span_mask[rows_in_span] = mask
         mask = span_mask
     decode = n_max == 1
+    groups: tuple[tuple[AttentionMetadata, torch.Tensor], ...] = ()
+    if grouped and n_max >= GROUP_MIN_APPEND:
+        parts = attention_groups(num_new, ends)
+        if len(parts) > 1:
+            first = torch.cumsum(num_new, 0) - num_new  # (B,) packed index of each request's first token
+            groups = tuple(
+                (attention_metadata(cache, slots[rows], num_new[rows], rope_cos, rope_sin, num_groups, attn_dtype,
+                                    device, grouped=False),
+                 (torch.repeat_interleave(first[rows], num_new[rows])
+                  + packed_offsets(num_new[rows], int(num_new[rows].sum()))).to(device))
+                for rows in parts)
     return AttentionMetadata(
         batch=batch, total=total, n_max=n_max, kv_len=kv_len, ends=ends,
         positions_d=positions_d, slot_of_d=slot_of_d,
         row_d=None if decode else row.to(device), offset_d=None if decode else offset.to(device),
         cos=rope_cos[positions_d][:, None, :], sin=rope_sin[positions_d][:, None, :],
         mask=mask.to(device), attn_dtype=attn_dtype, in_place=in_place, spread=spread, lo=lo, hi=hi,
-        span_rows_d=rows_in_span.to(device), slots_d=None if in_place else slots.to(device),
+        span_rows_d=rows_in_span.to(device), slots_d=None if in_place else slots.to(device), groups=groups,
     )
 
 
@@ -144,6 +200,18 @@ def attention(h: torch.Tensor, layer: LayerWeights, cache_k: torch.Tensor, cache
     v = qkv[:, q_size + kv_size:].view(meta.total, c.num_kv_heads, c.head_dim)
     cache_k[meta.slot_of_d, :, meta.positions_d] = k  # advanced indices around a slice: (T, KV, D) ← k
     cache_v[meta.slot_of_d, :, meta.positions_d] = v
+    if not meta.groups:
+        return lin(_attend_packed(q, cache_k, cache_v, meta, c, dtype), layer.wo)
+    attn = q.new_empty(meta.total, q_size, dtype=dtype)
+    for group, tokens in meta.groups:
+        attn[tokens] = _attend_packed(q[tokens], cache_k, cache_v, group, c, dtype)
+    return lin(attn, layer.wo)
+
+
+def _attend_packed(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, meta: AttentionMetadata,
+                   config: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    """The attended values of the packed queries q (T, H, D) of one batch (or group) of `meta`: (T, H*D) in dtype."""
+    c, q_size = config, config.num_heads * config.head_dim
     if meta.in_place:
         keys = cache_k[meta.lo:meta.hi, :, :meta.kv_len]  # (span, KV, L, D), a view
         values = cache_v[meta.lo:meta.hi, :, :meta.kv_len]
@@ -152,8 +220,7 @@ def attention(h: torch.Tensor, layer: LayerWeights, cache_k: torch.Tensor, cache
     attn = _attend(q, keys, values, meta, c)  # (B, KV, G*n, D) in attn_dtype
     attn = (attn.to(dtype).view(meta.batch, c.num_kv_heads, c.num_groups, meta.n_max, c.head_dim)
             .permute(0, 3, 1, 2, 4).reshape(meta.batch, meta.n_max, q_size))  # (B, n, H*D)
-    attn = attn.view(meta.batch, q_size) if meta.decode else attn[meta.row_d, meta.offset_d]  # (T, H*D)
-    return lin(attn, layer.wo)
+    return attn.view(meta.batch, q_size) if meta.decode else attn[meta.row_d, meta.offset_d]  # (T, H*D)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata,
