@@ -153,8 +153,9 @@ def _cost(draft_step: float, per_row: float) -> StepCost:
 
 
 def _costs(cost: StepCost, batch: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """`goodput_draft_lengths`' costs: a draft pass by rows, the target over B + C rows."""
-    return pass_times(cost, batch), np.asarray(cost.target_s(batch + np.arange(batch * width + 1)), dtype=float)
+    """`goodput_draft_lengths`' costs: a draft pass by rows (to 2B, as `TetrisPolicy` gives them), the target over B + C
+    rows."""
+    return pass_times(cost, 2 * batch), np.asarray(cost.target_s(batch + np.arange(batch * width + 1)), dtype=float)
 
 
 def _lengths(survival: np.ndarray, batch: int, cost: StepCost) -> list[int]:
@@ -169,33 +170,41 @@ def test_draft_lengths_draft_when_it_pays_and_not_otherwise():
     assert _lengths(survival, 4, _cost(draft_step=0.3, per_row=0.05)) == [3] * 4  # in between
 
 
-def _plan_rate(expected: np.ndarray, lengths: np.ndarray, passes: np.ndarray, target: np.ndarray) -> float:
+def _plan_rate(expected: np.ndarray, lengths: np.ndarray, passes: np.ndarray, target: np.ndarray,
+               lag: np.ndarray | None = None) -> float:
     """Predicted tokens per second of drafting `lengths` and verifying every draft; for one K' for all, the best of
-    that and of verifying only the goodput-best C of them (`goodput_draft_lengths`' two families)."""
+    that and of verifying only the goodput-best C of them (`goodput_draft_lengths`' two families). lag: rows each
+    drafting request adds to the first pass."""
     batch = len(lengths)
     gained = sum(expected[i, :n].sum() for i, n in enumerate(lengths))
-    rate = (batch + gained) / (drafting_time(lengths, passes) + target[int(lengths.sum())])
+    rate = (batch + gained) / (drafting_time(lengths, passes, lag) + target[int(lengths.sum())])
     if lengths.min() == lengths.max() and lengths[0] > 0:
         k_prime = int(lengths[0])
-        rate = max(rate, float(capacity_rates(expected[:, :k_prime], k_prime * passes[batch] + target).max()))
+        first = passes[batch] if lag is None else passes[batch + int(lag.sum())]
+        rate = max(rate, float(capacity_rates(expected[:, :k_prime],
+                                              first + (k_prime - 1) * passes[batch] + target).max()))
     return rate
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 10_000), st.floats(0.0, 0.3), st.floats(0.0, 0.2),
-       st.floats(0.0, 0.2), st.integers(1, 4))
-def test_draft_lengths_are_the_best_plan(batch, width, seed, per_draft, pass_fixed, per_row, step_rows):
-    """Request by request, never predicted worse than any one K' for all; with a draft pass costing the same per
-    row (no fixed part), the best of every assignment of lengths (brute force), whatever the target's staircase."""
+       st.floats(0.0, 0.2), st.integers(1, 4), st.booleans())
+def test_draft_lengths_are_the_best_plan(batch, width, seed, per_draft, pass_fixed, per_row, step_rows, lagging):
+    """Request by request, never predicted worse than any one K' for all, also with requests lagging a token (their
+    first pass runs two rows: `goodput_plan`'s lag), the plan's rate priced with it; with a draft pass costing the
+    same per row (no fixed part) and no lag, the best of every assignment of lengths (brute force), whatever the
+    target's staircase."""
     rng = np.random.default_rng(seed)
     expected = np.cumprod(rng.uniform(0.0, 1.0, (batch, width)) ** rng.uniform(0.2, 3.0, (batch, 1)), axis=1)
-    passes = np.array([0.0, *(pass_fixed + per_draft * rows for rows in range(1, batch + 1))])
+    passes = np.array([0.0, *(pass_fixed + per_draft * rows for rows in range(1, 2 * batch + 1))])
     target = 1.0 + per_row * ((batch + np.arange(batch * width + 1) + step_rows - 1) // step_rows)
-    lengths = goodput_draft_lengths(expected, passes, target)
-    chosen = _plan_rate(expected, lengths, passes, target) if lengths.any() else batch / target[0]
+    lag = rng.integers(0, 2, batch) if lagging else None
+    lengths, rate = goodput_plan(expected, passes, target, lag=lag)
+    chosen = _plan_rate(expected, lengths, passes, target, lag) if lengths.any() else batch / target[0]
+    assert rate == pytest.approx(chosen, rel=1e-9)  # the rate it reports is the plan's, lag included
     for k_prime in range(1, width + 1):
-        assert chosen >= _plan_rate(expected, np.full(batch, k_prime), passes, target) - 1e-12
-    if pass_fixed == 0.0:
+        assert chosen >= _plan_rate(expected, np.full(batch, k_prime), passes, target, lag) - 1e-12
+    if pass_fixed == 0.0 and not lagging:
         for plan in itertools.product(range(width + 1), repeat=batch):
             plan = np.array(plan)
             assert chosen >= (_plan_rate(expected, plan, passes, target) if plan.any() else batch / target[0]) - 1e-12
@@ -394,8 +403,8 @@ def test_a_short_burst_of_drafting_after_an_exploration_does_not_reset_the_wait(
 
     script: list[int] = []
     monkeypatch.setattr(goodput_module, "goodput_plan",
-                        lambda expected, passes, target, pad_s=0.0, done=0, spent=0.0, allowed=None, min_gain=1.0:
-                        (np.full(len(expected), script.pop(0)), 1.0))
+                        lambda expected, passes, target, pad_s=0.0, done=0, spent=0.0, allowed=None, min_gain=1.0,
+                        lag=None: (np.full(len(expected), script.pop(0)), 1.0))
     goodput = Goodput(max_draft=4)
     goodput.survival(np.log(np.full((1, 4), 0.5)), (0,))
     wait = Goodput.explore_after

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from batchspec.errors import BatchspecError
 from batchspec.spec.policies.base import Plan, Policy, sd_windows
-from batchspec.spec.policies.goodput import (CatchUp, Goodput, drafting_time, goodput_windows, pass_times,
-                                             smallest_step)
+from batchspec.spec.policies.goodput import (CatchUp, Goodput, drafting_time, first_pass_lag, goodput_windows,
+                                             pass_times, smallest_step)
 from batchspec.spec.proposal import KeepDrafting
 from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
 
@@ -148,6 +148,7 @@ class TetrisPolicy(Policy):
         self.goodput = Goodput(self.max_draft_length()) if self.calibrated else None
         self._costs = None  # (cost model, {B: (draft pass times by rows, target times by C)}) of the steps seen
         self._planned = None  # (plan, its `_step_times`, its fewest drafts of a request) of the current step
+        self._lag = None  # (B,) the current step's first-pass lag per request (`goodput.first_pass_lag`)
         self._selected = None, None  # (proposal, its log q as numpy) of the last `select` with capacity="auto"
 
     @classmethod
@@ -174,6 +175,7 @@ class TetrisPolicy(Policy):
         owed = None  # the draft's catch-up, priced where the cost model has timed it
         if catch_up is not None and remaining is not None and getattr(step_time, "catch_up", False):
             owed = CatchUp(np.asarray(catch_up), np.asarray(remaining), step_time.catch_up_s)
+        self._lag = None if owed is None else first_pass_lag(owed.tokens)  # as `draft_lengths` prices it
         lengths = self.goodput.draft_lengths(requests, *self._step_costs(step_time, batch_size), step_time.pad_s,
                                              owed)
         return replace(super().plan(batch_size), k_prime=int(lengths.max(initial=0)), step_time=step_time,
@@ -223,7 +225,7 @@ class TetrisPolicy(Policy):
         return keep_goodput
 
     def _step_costs(self, step_time, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """(one draft pass's seconds by rows 0..B, the target's seconds over B + C rows for C = 0..B * cap), kept per
+        """(one draft pass's seconds by rows 0..2B, the target's seconds over B + C rows for C = 0..B * cap), kept per
         B while the cost model stays and learns nothing new (`StepCost.learn`)."""
         version = getattr(step_time, "version", None)
         if self._costs is None or self._costs[0] is not step_time or self._costs[2] != version:
@@ -231,7 +233,7 @@ class TetrisPolicy(Policy):
         by_batch = self._costs[1]
         if batch_size not in by_batch:
             rows = batch_size + np.arange(batch_size * self.goodput.max_draft + 1)
-            by_batch[batch_size] = (pass_times(step_time, batch_size),
+            by_batch[batch_size] = (pass_times(step_time, 2 * batch_size),
                                     np.asarray(step_time.target_s(rows), dtype=float))
         return by_batch[batch_size]
 
@@ -242,7 +244,7 @@ class TetrisPolicy(Policy):
         if self._planned is None or self._planned[0] is not plan:
             passes, target = self._step_costs(plan.step_time, batch_size)
             lengths = plan.drafts(batch_size)
-            drafting = drafting_time(lengths, passes)
+            drafting = drafting_time(lengths, passes, self._lag)
             shortest = int(lengths.min()) if lengths.size else 0
             self._planned = plan, drafting + target[:batch_size * plan.k_prime + 1], shortest
         return self._planned[1]
