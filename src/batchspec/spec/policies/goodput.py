@@ -245,7 +245,8 @@ class Goodput:
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
         self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
         self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
-        self._best: tuple | None = None  # ((requests, lags), costs, (lengths, rate)) of the last plan, until survival changes
+        # ((requests, lags), costs, (lengths, rate)) of the last plan, until survival changes
+        self._best: tuple | None = None
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
         # Bin 0 (-inf: not drafted, the request stopped early) has rate 0: survives nothing.
