@@ -160,9 +160,12 @@ def goodput_plan(expected: np.ndarray, passes: np.ndarray, target: np.ndarray, p
     # Rows of pass j once this entry is drafted: its own and those of the earlier entries at the same position (one
     # each, and at the first position each one's lag too).
     lagging = lag is not None and not done and bool(lag.any())
-    weight = np.where(columns == 0, 1 + lag[order // width], 1) if lagging else 1
-    rows = np.cumsum(np.where(columns[:, None] == np.arange(width), np.reshape(weight, (-1, 1)), 0),
-                     axis=0)[np.arange(len(order)), columns]
+    at = columns[:, None] == np.arange(width)  # (B*K, K): each entry's position
+    weight = 1
+    if lagging:
+        weight = np.where(columns == 0, 1 + lag[order // width], 1)  # (B*K,)
+        at = at * weight[:, None]
+    rows = np.cumsum(at, axis=0)[np.arange(len(order)), columns]
     added = passes[rows] - passes[rows - weight]
     if done:
         added *= columns >= done  # passes already made
