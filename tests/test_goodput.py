@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchspec.errors import BatchspecError
 from batchspec.spec.calibration import EDGES, AcceptanceCalibration, bin_of
 from batchspec.spec.config import SpecConfig
 from batchspec.spec.policies import make_policy
@@ -297,7 +298,7 @@ def test_a_catch_up_pays_where_a_requests_share_of_the_gain_covers_it():
 def test_goodput_drafts_only_for_requests_whose_catch_up_pays():
     """Two requests drafting alike, one with its whole 500-token prompt still to run in the draft (10 s): with 20 left
     to emit it draws no drafts (the other drafts on), with 10,000 it does. Before anything is learned only the
-    request cheapest to catch up drafts, the cap; explorations try one draft on the requests caught up only."""
+    request cheapest to catch up drafts, the cap; explorations try one draft on requests whose catch-up fits."""
     cost = _cost(draft_step=0.05, per_row=0.01)
     passes, target = _costs(cost, 2, 4)
 
@@ -322,11 +323,32 @@ def test_goodput_drafts_only_for_requests_whose_catch_up_pays():
         lengths = goodput.draft_lengths((0, 1), *_costs(far, 2, 4), 0.0, short)
         explored.append(lengths.tolist() if goodput.exploring else None)
     assert explored[-1] == [1, 0] and explored[:-1] == [None] * (Goodput.explore_after - 1)
-    behind = CatchUp(np.array([3, 500]), np.array([20, 20]), owed)
-    assert all(goodput.draft_lengths((0, 1), *_costs(far, 2, 4), 0.0, behind).tolist() == [0, 0]
-               for _ in range(4 * Goodput.explore_after))  # no one caught up: no exploration
+    behind = CatchUp(np.array([3, 500]), np.array([20, 20]), owed)  # 0.06 s and 10 s to catch up
+    explored = [goodput.draft_lengths((0, 1), *_costs(far, 2, 4), 0.0, behind).tolist()
+                for _ in range(2 * Goodput.explore_after)]  # the wait doubled: one exploration, by request 0
+    assert explored == [[0, 0]] * (2 * Goodput.explore_after - 1) + [[1, 0]] and goodput.exploring
     assert CatchUp(np.array([3, 7, 3]), np.zeros(3), owed).cheapest().tolist() == [True, False, True]
     assert CatchUp(np.array([1, 0, 9]), np.zeros(3), owed).cheapest().tolist() == [True, True, False]
+
+
+def test_explorations_wait_until_a_catch_up_fits_in_their_share_of_the_plain_steps():
+    """Drafting never pays (5 s draft passes) and neither request has ever drafted (10 s to catch up each): an
+    exploration pays at most `explore_share` of the plain steps since the batch last drafted (~1 s each here), so
+    explorations come due after 8, 16, 32, 64 plain steps and the first to fit (120 steps, 15 s) tries one draft for
+    one request, never both (20 s)."""
+    far = _cost(draft_step=5.0, per_row=0.01)
+    passes, target = _costs(far, 2, 4)
+    goodput = Goodput(max_draft=4)
+    goodput.survival(np.log(np.full((2, 4), 0.5)), (0, 1))
+    goodput.observe(np.log(np.full((2, 4), 0.5)), np.array([4, 4]), np.array([0, 0]))
+    prompts = CatchUp(np.array([500, 500]), np.array([1000, 1000]), lambda drafting, tokens: 0.02 * tokens)
+    plans = [goodput.draft_lengths((0, 1), passes, target, 0.0, prompts).tolist() for _ in range(130)]
+    explorations = [step for step, lengths in enumerate(plans, 1) if any(lengths)]
+    budget = Goodput.explore_share * float(target[0])  # seconds of catch-up each plain step buys
+    assert explorations == [8 + 16 + 32 + 64] and 10.0 <= 120 * budget < 20.0
+    assert plans[119] == [1, 0]
+    assert CatchUp(np.array([1, 0, 500]), np.zeros(3), lambda d, t: 0.02 * t).affordable(0.0).tolist() == \
+        [True, True, False]  # caught up: free
 
 
 def test_a_plan_drafts_only_past_the_margin_it_is_asked_for():
@@ -585,13 +607,20 @@ def test_bins_on_log_q_match_the_edges():
     assert bins.tolist() == [0, 1, 1, 6, 12, 13, 14, 0]  # 0: no draft (q = 0, NaN); at an edge, the bin below it
 
 
-def test_auto_capacity_drafts_up_to_dsds_cap():
-    """K' is a cap under --capacity auto: k_max, as for dsd (or k + extra when larger), the cache head-room with it."""
-    auto = make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8, capacity="auto"))
+def test_auto_capacity_drafts_up_to_its_cap():
+    """K' is a cap under --capacity auto: max_draft (None: k_max, as for dsd; k + extra when larger), the cache
+    head-room with it."""
+    auto = make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8, max_draft=None, capacity="auto"))
     assert auto.max_draft_length() == 8 and auto.goodput.max_draft == 8
     assert auto.plan(1, _cost(draft_step=0.01, per_row=0.001)).k_prime == 8  # nothing seen yet: the whole cap
-    assert make_policy(SpecConfig(policy="tetris", k=4, extra=6, k_max=8, capacity="auto")).max_draft_length() == 10
+    assert make_policy(SpecConfig(policy="tetris", k=4, extra=6, k_max=8, max_draft=None,
+                                  capacity="auto")).max_draft_length() == 10
+    assert make_policy(SpecConfig(policy="tetris", capacity="auto")).max_draft_length() == 16  # the default
     assert make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8)).max_draft_length() == 6  # fixed C: K'
+    own = make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8, max_draft=16, capacity="auto"))
+    assert own.max_draft_length() == 16 and own.goodput.max_draft == 16  # its own cap, dsd's k_max aside
+    with pytest.raises(BatchspecError, match="max_draft must be >= 1"):
+        make_policy(SpecConfig(policy="tetris", max_draft=0, capacity="auto"), None, 4)
 
 
 @given(st.integers(1, 6), st.integers(0, 3), st.lists(st.booleans(), max_size=80))

@@ -14,7 +14,7 @@ TABLE_FIELDS = ("tokens_per_s", "ter_tokens_per_s", "vsr", "mean_accept_len", "s
 HISTORIES = ("window_history", "request_windows")  # per step: in results.json, not in the csv
 QUALITY_FIELDS = ("rouge_l_ar", "target_nll", "target_disagreement")  # lossy runs only (sprinter), and ar for reference
 CORRECTNESS_FIELDS = ("pass_at_1",)  # every run, with --quality humaneval
-POINT_FIELDS = ("batch_size", "k", "extra", "capacity", "tau", "tetris_scores", "prune_drafts")
+POINT_FIELDS = ("batch_size", "k", "extra", "capacity", "tau", "tetris_scores", "prune_drafts", "max_draft")
 
 
 def _point_label(run: dict, swept: list[str]) -> str:

@@ -35,7 +35,7 @@ from batchspec.weights.loading import LoadedModel
 
 # Sweep axes that matter to some policies only (capacity: sd and dsd verify their window whatever C is).
 ONLY_CHANGES = {"tau": ("sprinter", "sprinter-exact"), "tetris_scores": ("tetris",), "capacity": ("tetris", "oracle"),
-                "prune_drafts": ("tetris",)}
+                "prune_drafts": ("tetris",), "max_draft": ("tetris",)}
 
 
 @dataclass
@@ -76,8 +76,9 @@ class BenchConfig:
                 continue
             if axis == "capacity":
                 values = tuple(v for v in values if isinstance(v, int)) or (0,)  # auto, fixed (None): valid
-            if not values or min(values) < (1 if axis in ("batch_size", "k") else 0):
-                raise BatchspecError(f"--sweep {axis}: values must be {'>= 1' if axis in ('batch_size', 'k') else '>= 0'}")
+            positive = axis in ("batch_size", "k", "max_draft")
+            if not values or min(values) < (1 if positive else 0):
+                raise BatchspecError(f"--sweep {axis}: values must be {'>= 1' if positive else '>= 0'}")
         check_baselines(self.baselines)
         if self.quality not in (None, "humaneval"):
             raise BatchspecError(f"unknown --quality {self.quality!r}; valid: humaneval")
@@ -170,7 +171,7 @@ def sweep_points(config: BenchConfig) -> list[BenchConfig]:
     for values in itertools.product(*(config.sweep[a] for a in axes)):
         point = dict(zip(axes, values))
         spec = replace(config.spec, **{a: point[a] for a in ("k", "extra", "capacity", "tau", "tetris_scores",
-                                                              "prune_drafts") if a in point})
+                                                              "prune_drafts", "max_draft") if a in point})
         points.append(replace(config, batch_size=point.get("batch_size", config.batch_size), spec=spec))
     return points
 
@@ -251,6 +252,7 @@ def run_bench(config: BenchConfig, target: LoadedModel, draft: LoadedModel | Non
                 metrics.update(policy=policy, trial=trial, point=index, batch_size=point.batch_size, k=point.spec.k,
                                extra=point.spec.extra, capacity=point.spec.capacity, tau=point.spec.tau,
                                tetris_scores=point.spec.tetris_scores, prune_drafts=point.spec.prune_drafts,
+                               max_draft=point.spec.max_draft,
                                window_history=engine.stats.window_history,
                                request_windows=[r.windows for r in sorted(engine.last_requests, key=lambda r: r.index)])
                 runs.append(metrics)

@@ -63,7 +63,9 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
     parser.add_argument("--turn-on-batch-size", type=int, default=1,
                         help="below this many active requests Tetris behaves as sd (default 1)")
     parser.add_argument("--k-max", type=int, default=8,
-                        help="largest window dsd, and draft length tetris --capacity auto, may choose (default 8)")
+                        help="largest window dsd may choose (default 8)")
+    parser.add_argument("--max-draft", type=int, default=16,
+                        help="most drafts tetris --capacity auto gives a request in a step, K' (default 16)")
     parser.add_argument("--measure-oracle", action="store_true",
                         help="extra untimed target pass over all drafts to report oracle_fraction")
     parser.add_argument("--verifier", default=None,
@@ -85,7 +87,7 @@ def spec_config(args: argparse.Namespace):
     from batchspec.spec.config import SpecConfig
 
     return SpecConfig(policy=getattr(args, "policy", "ar"), k=args.k, extra=args.extra, capacity=args.capacity,
-                      turn_on_batch_size=args.turn_on_batch_size, k_max=args.k_max,
+                      turn_on_batch_size=args.turn_on_batch_size, k_max=args.k_max, max_draft=args.max_draft,
                       measure_oracle=args.measure_oracle,
                       verifier=resolve_verifier(args.verifier, getattr(args, "draft", None),
                                                 getattr(args, "target", None), getattr(args, "draft_dtype", None),

@@ -49,6 +49,7 @@ class SimConfig:
     replay: bool = False  # the trace's own requests, in order, once (the validation setting)
     seed: int = 0
     k_max: int = 8  # dsd's largest window (clamped to the trace's K')
+    max_draft: int = 16  # goodput Tetris's K' cap (clamped to the trace's K')
     turn_on_batch_size: int = 1
 
     def validate(self, width: int) -> None:
@@ -67,9 +68,11 @@ class SimConfig:
                                  f"(record with a larger k + extra)")
 
     def make_policy(self, width: int) -> Policy:
-        """The engine's policy object for these settings (dsd's largest window clamped to the trace's K')."""
+        """The engine's policy object for these settings (dsd's and goodput Tetris's caps clamped to the trace's
+        K')."""
         spec = SpecConfig(policy=self.policy, k=self.k, extra=self.extra, capacity=self.capacity,
-                          turn_on_batch_size=self.turn_on_batch_size, k_max=min(self.k_max, width))
+                          turn_on_batch_size=self.turn_on_batch_size, k_max=min(self.k_max, width),
+                          max_draft=min(self.max_draft, width))
         return make_policy(spec, batch_size=self.batch_size)
 
 

@@ -235,6 +235,13 @@ class Goodput:
     # prediction after a run's worth of learning, and plans of one to three requests drafting, predicted at 1.001-1.05
     # of plain decoding, paid for draft passes and catch-ups that the target never gave back (0.90x `ar`).
     min_gain = 1.05
+    # An exploration pays the catch-up of the requests it drafts for (a whole prompt before a request first drafts,
+    # the tokens emitted since it last did): it explores with the requests cheapest to catch up, as many as fit in
+    # this share of the plain steps run since the batch last drafted, and waits for more plain steps where none fits.
+    # Exploring only with requests caught up trapped runs in plain decoding: after a few plain steps none is, and a
+    # request that never drafted never is (the SmolLM2 pair at batch 1, Xeon: the second of two runs never drafted,
+    # 841 target calls, `ar`'s, where sd ran 1.16x `ar`).
+    explore_share = 0.125
 
     def __init__(self, max_draft: int, decay: float = 0.8) -> None:
         self.max_draft = max_draft
@@ -244,6 +251,7 @@ class Goodput:
         self._requests: tuple = ()  # the requests of the last step, in row order
         self._own: np.ndarray = np.zeros((0, max_draft))  # (B, max_draft) each one's recent survival per position
         self._exploration = Exploration(after=self.explore_after, most=self.explore_most)
+        self._plain_steps = 0  # steps planned to draft nothing since the batch last drafted (explorations included)
         self.exploring = False  # whether the last `draft_lengths` was an exploration (its drafts are all verified)
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
         self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
@@ -393,10 +401,11 @@ class Goodput:
         for itself in it (the gain of a plan where all draft is not there when only a few do: measured on the Qwen
         pair at batch 8, one or two requests of eight drafting paid their catch-up and a draft pass each for
         windows of 1-4, 0.91x `ar`); the first step drafts only for the requests cheapest to catch up (already caught
-        up, else the one with the fewest tokens to run), and explorations only for requests caught up (none: no
-        exploration): what they learn decides for the rest, before anyone else pays for a prompt (on the SmolLM2 pair
-        at batch 16, where speculation does not pay, an exploration by a request that never drafted ran its prompt
-        and output so far through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain step)."""
+        up, else the one with the fewest tokens to run), and explorations only for the requests whose catch-ups fit in
+        `explore_share` of the plain steps since the batch last drafted (`CatchUp.affordable`): what they learn
+        decides for the rest, before anyone else pays for a prompt (on the SmolLM2 pair at batch 16, where
+        speculation does not pay, an exploration by a request that never drafted ran its prompt and output so far
+        through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain step)."""
         self.exploring = False
         batch = len(requests)
         if self.expected_survival is None:
@@ -419,15 +428,21 @@ class Goodput:
             lengths, rate = goodput_plan(own, passes, target, pad_s, allowed=pays, min_gain=self.min_gain, lag=lag)
         if lengths.any():
             self._exploration.drafted()
+            self._plain_steps = 0
             return lengths
+        self._plain_steps += 1
 
         def near() -> bool:  # one draft per request predicted within `near` of plain decoding's rate
             one_each = (batch + float(own[:, 0].sum())) / (passes[batch] + target[batch])
             return one_each >= self.near * batch / target[0]
 
-        explorers = np.ones(batch, dtype=bool) if catch_up is None else catch_up.tokens <= 1
-        if not explorers.any() or not self._exploration.explores(near):
+        if not self._exploration.explores(near):
             return lengths
+        explorers = (np.ones(batch, dtype=bool) if catch_up is None
+                     else catch_up.affordable(self.explore_share * self._plain_steps * float(target[0])))
+        if not explorers.any():  # no catch-up fits yet: a later exploration will have waited longer
+            return lengths
+        self._plain_steps = 0
         self.exploring = True
         return explorers.astype(np.int64)
 
@@ -446,6 +461,19 @@ class CatchUp:
     tokens: np.ndarray  # (B,) tokens the draft has not run beyond the one every pass runs (a whole prompt at first)
     remaining: np.ndarray  # (B,) tokens each request may still emit
     seconds: Callable[[int, np.ndarray], np.ndarray]  # (requests drafting, tokens) -> (B,) seconds they add
+
+    def affordable(self, budget: float) -> np.ndarray:
+        """(B,) bool: the most requests, cheapest to catch up first, whose catch-ups together take at most `budget`
+        seconds (a request caught up, at most one token behind, costs nothing: every draft pass runs that token)."""
+        order = np.argsort(self.tokens, kind="stable")
+        chosen = np.zeros(len(order), dtype=bool)
+        for count in range(len(order), 0, -1):
+            tokens = self.tokens[order[:count]]
+            owed = np.where(tokens <= 1, 0.0, self.seconds(count, tokens))
+            if float(owed.sum()) <= budget:
+                chosen[order[:count]] = True
+                break
+        return chosen
 
     def cheapest(self) -> np.ndarray:
         """(B,) bool: the requests caught up already (at most one token behind), else the ones with the fewest."""

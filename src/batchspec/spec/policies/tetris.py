@@ -156,6 +156,8 @@ class TetrisPolicy(Policy):
         if isinstance(spec.capacity, str) and spec.capacity != "auto":
             raise BatchspecError(f"capacity must be a number or auto, got {spec.capacity!r}")
         super().validate(spec, batch_size)
+        if spec.max_draft is not None and spec.max_draft < 1:
+            raise BatchspecError(f"max_draft must be >= 1 (got {spec.max_draft})")
         if spec.tetris_scores == "verifier" and spec.verifier is None:
             raise BatchspecError("policy 'tetris' with --tetris-scores verifier needs a SPRINTER verifier (--verifier)")
         if spec.tetris_scores == "verifier" and spec.capacity == "auto":
@@ -163,8 +165,12 @@ class TetrisPolicy(Policy):
                                  "calibrated")
 
     def max_draft_length(self) -> int:
-        """With `capacity="auto"` K' is chosen per step, up to dsd's cap k_max (or k + extra when larger)."""
-        return max(self.spec.k + self.spec.extra, self.spec.k_max) if self.auto else super().max_draft_length()
+        """With `capacity="auto"` K' is chosen per step, up to `max_draft` (None: dsd's cap k_max; k + extra when
+        larger)."""
+        if not self.auto:
+            return super().max_draft_length()
+        cap = self.spec.k_max if self.spec.max_draft is None else self.spec.max_draft
+        return max(self.spec.k + self.spec.extra, cap)
 
     def plan(self, batch_size: int, step_time=None, requests=None, catch_up=None, remaining=None) -> Plan:
         if not self.auto:
