@@ -32,8 +32,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print results.json on stdout instead of the table")
     bench.add_argument("--sweep", nargs="+", default=[], metavar="AXIS=VALUES",
                        help="run every combination, e.g. --sweep batch_size=1,8,16 k=1..6 (axes: batch_size, k, "
-                            "extra, capacity, tau, tetris_scores=q,calibrated,verifier, prune_drafts=1,0, max_draft); one "
-                            "results file, plus plots against each axis")
+                            "extra, capacity, tau, tetris_scores=q,calibrated,verifier, prune_drafts=1,0, "
+                            "max_draft); one results file, plus plots against each axis")
     bench.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
                        help="extra rows from other libraries, comma-separated: transformers on the same weights, "
                             "hf_generate (batch --batch-size), hf_generate_b1, hf_assisted_b1 (assistant_model = the "
