@@ -64,8 +64,8 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
                         help="below this many active requests Tetris behaves as sd (default 1)")
     parser.add_argument("--k-max", type=int, default=8,
                         help="largest window dsd may choose (default 8)")
-    parser.add_argument("--max-draft", type=int, default=16,
-                        help="most drafts tetris --capacity auto gives a request in a step, K' (default 16)")
+    parser.add_argument("--max-draft", type=int, default=None,
+                        help="most drafts tetris --capacity auto gives a request in a step, K' (default: --k-max)")
     parser.add_argument("--measure-oracle", action="store_true",
                         help="extra untimed target pass over all drafts to report oracle_fraction")
     parser.add_argument("--verifier", default=None,

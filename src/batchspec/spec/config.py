@@ -17,11 +17,11 @@ class SpecConfig:
     capacity: int | str | None = None  # None: k * B; a number: fixed C; "auto": chosen per step (tetris)
     turn_on_batch_size: int = 1  # Tetris acts as sd below this many active requests
     k_max: int = 8  # dsd's largest window
-    # tetris --capacity auto: the most drafts a request gets in a step, K' (k + extra when larger; None: k_max). Twice
-    # dsd's cap: Tetris stops each request's drafting on its drafts' own calibrated survival, so a long cap costs it
-    # little where acceptance falls, and pays where it stays high (the Qwen pair at batch 1 on a Xeon, bfloat16
-    # target: 1.104x dsd with 16, where the cap of 8 bound nearly every window; dsd's own k_max 16 gained nothing).
-    max_draft: int | None = 16
+    # tetris --capacity auto: the most drafts a request gets in a step, K' (None: dsd's k_max; k + extra when larger).
+    # 16 paid at batch 1 (the Qwen pair on a Xeon, bfloat16 target: 1.10-1.11x dsd, where a cap of 8 bound nearly
+    # every window; dsd's own k_max 16 gained nothing) and lost at batch 8 (0.88-0.95x dsd: windows of 11-16 for all
+    # eight requests, their deep drafts' survival overestimated), so the default stays k_max.
+    max_draft: int | None = None
     measure_oracle: bool = False  # untimed extra target pass over all K' drafts: true a, oracle_fraction
     verifier: str | None = None  # SPRINTER verifier directory: needed by `sprinter` and by tetris_scores="verifier"
     tau: float | None = None  # sprinter: accept a draft without the target iff verifier prob >= tau (None: its own)
