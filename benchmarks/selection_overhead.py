@@ -71,7 +71,7 @@ def main() -> None:
     accept = torch.rand(batch, k_prime, generator=gen)  # (B, K') true acceptance (oracle)
     # Goodput Tetris (--capacity auto): calibrated survival, the capacity with the most expected tokens per second
     # under a step-cost model, the windows, and learning from the step's outcome (select + observe, per step).
-    # Its cap K' is the drafted width here (the goal's K' = 8; the default cap, 16, is what a step may draft at most).
+    # Its cap K' (`max_draft`) is the drafted width here: the goal's K' = 8.
     auto = make_policy(SpecConfig(policy="tetris", k=args.k, extra=args.extra, capacity="auto", max_draft=k_prime),
                        batch_size=batch)
     cost = StepCost(StepTimeModel(0.0, 0.002, 0.0001, 0.0), RowTimeTable((1, 64, 65, 1024), (0.05, 0.06, 0.08, 0.4)),
