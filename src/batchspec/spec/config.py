@@ -20,7 +20,7 @@ class SpecConfig:
     # tetris --capacity auto: the most drafts a request gets in a step, K' (None: dsd's k_max; k + extra when larger).
     # 16 paid at batch 1 (the Qwen pair on a Xeon, bfloat16 target: 1.10-1.11x dsd, where a cap of 8 bound nearly
     # every window; dsd's own k_max 16 gained nothing) and lost at batch 8 (0.88-0.95x dsd: windows of 11-16 for all
-    # eight requests, their deep drafts' survival overestimated), so the default stays k_max.
+    # eight requests, a near tie by the plan that realized less), so the default stays k_max.
     max_draft: int | None = None
     measure_oracle: bool = False  # untimed extra target pass over all K' drafts: true a, oracle_fraction
     verifier: str | None = None  # SPRINTER verifier directory: needed by `sprinter` and by tetris_scores="verifier"
