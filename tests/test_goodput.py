@@ -448,7 +448,8 @@ def test_a_short_burst_of_drafting_after_an_exploration_does_not_reset_the_wait(
 
 def test_easy_requests_draft_long_and_hard_ones_short():
     """Each request's own survival sets its length: one whose drafts are accepted drafts longer than one whose
-    drafts are rejected, whatever row it is in; a new request starts at the batch's estimate."""
+    drafts are rejected, whatever row it is in; a new request starts at the estimate of those that left (here the
+    easy one's)."""
     goodput = Goodput(max_draft=6)
     cost = _cost(draft_step=0.02, per_row=0.01)
     easy, hard = np.log(np.full(6, 0.97)), np.log([0.6, 0.4, 0.3, 0.2, 0.1, 0.1])
@@ -459,7 +460,24 @@ def test_easy_requests_draft_long_and_hard_ones_short():
     lengths = goodput.draft_lengths((7, 3), *_costs(cost, 2, 6))
     assert lengths[0] > lengths[1]
     assert goodput.draft_lengths((3, 7), *_costs(cost, 2, 6)).tolist() == lengths[::-1].tolist()
-    assert goodput._own_rows((3, 9))[1] == pytest.approx(goodput.expected_survival)
+    easy_own = goodput._own_rows((3, 7))[1].copy()
+    assert goodput._own_rows((3, 9))[1] == pytest.approx(easy_own)
+
+
+def test_a_new_request_starts_at_what_requests_that_left_had_not_at_the_last_steps():
+    """Once requests have left the batch, a new one starts at the mean of their estimates as they left: the batch's
+    recent estimate is what the last few requests had (a run's tail), not what a new request is like."""
+    goodput = Goodput(max_draft=4)
+    easy, hard = np.log(np.full((2, 4), 0.99)), np.log(np.full((1, 4), 0.3))
+    for _ in range(20):
+        goodput.survival(easy, requests=(0, 1))
+        goodput.observe(easy, np.full(2, 4), np.full(2, 4))
+    left = goodput._own_rows((0, 1)).mean(axis=0)
+    for _ in range(20):  # both leave; a hard one runs alone for a while
+        goodput.survival(hard, requests=(2,))
+        goodput.observe(hard, np.full(1, 4), np.zeros(1, dtype=np.int64))
+    assert goodput.expected_survival[0] < 0.5 * left[0]
+    assert goodput._own_rows((2, 5))[1] == pytest.approx(left)
 
 
 def test_goodput_drafts_the_cap_first_then_explores_ever_more_rarely():

@@ -140,6 +140,17 @@ def test_a_point_learned_lower_lowers_the_points_before_it():
     assert float(table(16)) >= float(table(15)) > 0.19
 
 
+def test_a_refreshed_table_keeps_its_shape_at_the_machines_new_speed():
+    """`rescale` (what `StepCost.refresh` does at a run's start) scales every point by what the re-timed point
+    measured, so a verified row keeps its price against a plain step; a wild measurement moves it at most 2x."""
+    table = profiling.RowTimeTable((1, 16, 32), (0.05, 0.088, 0.108))
+    table.rescale(16, 0.072)
+    assert np.allclose([table(1), table(16), table(32)], np.array([0.05, 0.088, 0.108]) * 0.072 / 0.088)
+    assert table.version == 1 and table.seconds == (0.05, 0.088, 0.108)
+    table.rescale(16, 100.0)
+    assert float(table(16)) == pytest.approx(2 * 0.072)
+
+
 def test_a_forward_far_past_the_table_moves_its_last_point_by_ratio_not_to_zero():
     """A draft pass that ran every prompt (2,000 rows, far past a table ending at 144) and took less than the last
     slope predicts scales the last point down by at most half, never through zero (which would flatten the table)."""

@@ -71,6 +71,25 @@ def test_greedy_output_equals_ar(default_model, noisy_draft, ar_outputs, policy)
             assert sum(windows) <= spec.k * len(windows)
 
 
+def test_each_run_of_an_engine_tells_the_policy_its_requests_apart_from_the_last_runs(default_model, noisy_draft):
+    """Request ids restart at 0 in every run; the keys a policy learns per request by (goodput Tetris's own
+    estimates) do not, so a second `generate` never starts from what the first run's requests of the same ids did."""
+    engine = Engine(default_model, noisy_draft, SpecConfig(policy="tetris", k=3, extra=3, capacity="auto"),
+                    max_batch_size=2, step_time=CHEAP_STEPS)
+    seen: list[set] = []
+    plan = engine.policy.plan
+
+    def recording(batch_size, step_time=None, requests=None, **kwargs):
+        seen[-1].update(requests)
+        return plan(batch_size, step_time, requests, **kwargs)
+
+    engine.policy.plan = recording
+    for _ in range(2):
+        seen.append(set())
+        engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4), chat=True)
+    assert len(seen[0]) == len(seen[1]) == 2 and not seen[0] & seen[1]
+
+
 def test_seeded_sampling_reproducible_across_batches(default_model, noisy_draft):
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=7)
     spec = SpecConfig(policy="tetris", k=3, extra=2)

@@ -118,6 +118,7 @@ class Engine:
         self.last_step: ScheduledStep | None = None  # what the last `step` ran (a server's step metrics read it)
         self._trace = None
         self._keep_windows = True
+        self._run = 0  # runs opened (`open`)
 
     @classmethod
     def from_pretrained(cls, target: str = "default", draft: str | None = None, draft_dtype: str = "auto",
@@ -213,6 +214,7 @@ class Engine:
         self.scheduler = Scheduler(num_slots, min(self.context_length, self.runner.max_len), self.seed,
                                    self.prefill_chunk)
         self._trace, self._keep_windows = trace, keep_windows
+        self._run += 1  # request ids restart at 0 in each run: the policy tells requests apart by (run, id)
 
     def close(self) -> None:
         """End the open run: its scheduler and its caches are released."""
@@ -289,8 +291,8 @@ class Engine:
     def _speculate(self, active: list[Request]) -> None:
         """One speculative step: 1 + accepted tokens per request, both caches rolled back to what was committed."""
         catch_up = [len(r.draft_pending) - 1 for r in active]  # what each request's draft cache lacks
-        plan = self.policy.plan(len(active), self.step_time, [r.index for r in active], catch_up=catch_up,
-                                remaining=[r.params.max_tokens - len(r.output_ids) for r in active])
+        plan = self.policy.plan(len(active), self.step_time, [(self._run, r.index) for r in active],
+                                catch_up=catch_up, remaining=[r.params.max_tokens - len(r.output_ids) for r in active])
         plan = plan.clamped(self.runner.room(active), len(active))
         target_s, draft_s = self.stats.target_s, self.stats.draft_s
         if plan.k_prime == 0:
