@@ -626,16 +626,16 @@ def test_bins_on_log_q_match_the_edges():
 
 
 def test_auto_capacity_drafts_up_to_its_cap():
-    """K' is a cap under --capacity auto: max_draft (None: k_max, as for dsd; k + extra when larger), the cache
+    """K' is a cap under --capacity auto: max_draft (None: twice dsd's k_max; k + extra when larger), the cache
     head-room with it."""
     auto = make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8, capacity="auto"))
-    assert auto.max_draft_length() == 8 and auto.goodput.max_draft == 8
-    assert auto.plan(1, _cost(draft_step=0.01, per_row=0.001)).k_prime == 8  # nothing seen yet: the whole cap
-    assert make_policy(SpecConfig(policy="tetris", k=4, extra=6, k_max=8, capacity="auto")).max_draft_length() == 10
-    assert make_policy(SpecConfig(policy="tetris", k_max=8, capacity="auto")).max_draft_length() == 8  # the default
+    assert auto.max_draft_length() == 16 and auto.goodput.max_draft == 16
+    assert auto.plan(1, _cost(draft_step=0.01, per_row=0.001)).k_prime == 16  # nothing seen yet: the whole cap
+    assert make_policy(SpecConfig(policy="tetris", k=4, extra=14, k_max=8, capacity="auto")).max_draft_length() == 18
+    assert make_policy(SpecConfig(policy="tetris", k_max=8, capacity="auto")).max_draft_length() == 16  # the default
     assert make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8)).max_draft_length() == 6  # fixed C: K'
-    own = make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8, max_draft=16, capacity="auto"))
-    assert own.max_draft_length() == 16 and own.goodput.max_draft == 16  # its own cap, dsd's k_max aside
+    own = make_policy(SpecConfig(policy="tetris", k=4, extra=2, k_max=8, max_draft=12, capacity="auto"))
+    assert own.max_draft_length() == 12 and own.goodput.max_draft == 12  # its own cap, dsd's k_max aside
     with pytest.raises(BatchspecError, match="max_draft must be >= 1"):
         make_policy(SpecConfig(policy="tetris", max_draft=0, capacity="auto"), None, 4)
 

@@ -65,7 +65,8 @@ def add_spec_options(parser: argparse.ArgumentParser, policies: bool = True) -> 
     parser.add_argument("--k-max", type=int, default=8,
                         help="largest window dsd may choose (default 8)")
     parser.add_argument("--max-draft", type=int, default=None,
-                        help="most drafts tetris --capacity auto gives a request in a step, K' (default: --k-max)")
+                        help="most drafts tetris --capacity auto gives a request in a step, K' "
+                             "(default: twice --k-max)")
     parser.add_argument("--measure-oracle", action="store_true",
                         help="extra untimed target pass over all drafts to report oracle_fraction")
     parser.add_argument("--verifier", default=None,

@@ -49,7 +49,7 @@ class SimConfig:
     replay: bool = False  # the trace's own requests, in order, once (the validation setting)
     seed: int = 0
     k_max: int = 8  # dsd's largest window (clamped to the trace's K')
-    max_draft: int | None = None  # goodput Tetris's K' cap (None: k_max; clamped to the trace's K')
+    max_draft: int | None = None  # goodput Tetris's K' cap (None: twice k_max, as the engine's; clamped to the trace)
     turn_on_batch_size: int = 1
 
     def validate(self, width: int) -> None:
@@ -72,7 +72,7 @@ class SimConfig:
         K')."""
         spec = SpecConfig(policy=self.policy, k=self.k, extra=self.extra, capacity=self.capacity,
                           turn_on_batch_size=self.turn_on_batch_size, k_max=min(self.k_max, width),
-                          max_draft=None if self.max_draft is None else min(self.max_draft, width))
+                          max_draft=min(2 * self.k_max if self.max_draft is None else self.max_draft, width))
         return make_policy(spec, batch_size=self.batch_size)
 
 

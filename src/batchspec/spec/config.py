@@ -17,10 +17,11 @@ class SpecConfig:
     capacity: int | str | None = None  # None: k * B; a number: fixed C; "auto": chosen per step (tetris)
     turn_on_batch_size: int = 1  # Tetris acts as sd below this many active requests
     k_max: int = 8  # dsd's largest window
-    # tetris --capacity auto: the most drafts a request gets in a step, K' (None: dsd's k_max; k + extra when larger).
-    # 16 paid at batch 1 (the Qwen pair on a Xeon, bfloat16 target: 1.10-1.11x dsd, where a cap of 8 bound nearly
-    # every window; dsd's own k_max 16 gained nothing) and lost at batch 8 (0.88-0.95x dsd: windows of 11-16 for all
-    # eight requests, a near tie by the plan that realized less), so the default stays k_max.
+    # tetris --capacity auto: the most drafts a request gets in a step, K' (None: twice dsd's k_max; k + extra when
+    # larger). Twice: at batch 1 a cap of 8 bound nearly every window (the Qwen pair on a Xeon, bfloat16 target:
+    # 0.93-0.96x dsd with 8, 1.10-1.11x with 16; dsd's own k_max 16 gained nothing). At batch 8 it had lost (0.88-0.95x
+    # dsd, windows of 11-16 for all eight requests) while an engine's later runs started from the end of its earlier
+    # ones (`StepCost.refresh`, `Goodput._own_rows`); since, 16 and 8 measure alike there and on the SmolLM2 pair.
     max_draft: int | None = None
     measure_oracle: bool = False  # untimed extra target pass over all K' drafts: true a, oracle_fraction
     verifier: str | None = None  # SPRINTER verifier directory: needed by `sprinter` and by tetris_scores="verifier"

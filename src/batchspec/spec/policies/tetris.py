@@ -165,11 +165,11 @@ class TetrisPolicy(Policy):
                                  "calibrated")
 
     def max_draft_length(self) -> int:
-        """With `capacity="auto"` K' is chosen per step, up to `max_draft` (None: dsd's cap k_max; k + extra when
-        larger)."""
+        """With `capacity="auto"` K' is chosen per step, up to `max_draft` (None: twice dsd's cap k_max; k + extra
+        when larger)."""
         if not self.auto:
             return super().max_draft_length()
-        cap = self.spec.k_max if self.spec.max_draft is None else self.spec.max_draft
+        cap = 2 * self.spec.k_max if self.spec.max_draft is None else self.spec.max_draft
         return max(self.spec.k + self.spec.extra, cap)
 
     def plan(self, batch_size: int, step_time=None, requests=None, catch_up=None, remaining=None) -> Plan:
