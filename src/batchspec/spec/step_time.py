@@ -131,8 +131,7 @@ class RowTimeTable:
             np.maximum.accumulate(y, out=y)
         else:  # what was lowered lowers the points before it (fewer rows never cost more)
             y[:] = np.minimum.accumulate(y[::-1])[::-1]
-        object.__setattr__(self, "_table", (x, y, self._slope(x, y)))
-        object.__setattr__(self, "version", self.version + 1)
+        self._learned(x, y)
 
     def rescale(self, rows: int, seconds: float, most: float = 2.0) -> None:
         """Scale every point by `seconds` over the prediction at `rows` (at most `most` times either way): the
@@ -142,6 +141,10 @@ class RowTimeTable:
         if predicted <= 0.0 or seconds <= 0.0:
             return
         y *= min(max(seconds / predicted, 1.0 / most), most)
+        self._learned(x, y)
+
+    def _learned(self, x: np.ndarray, y: np.ndarray) -> None:
+        """The table now predicts from seconds `y` (changed in place): its last slope follows, its version counts."""
         object.__setattr__(self, "_table", (x, y, self._slope(x, y)))
         object.__setattr__(self, "version", self.version + 1)
 
