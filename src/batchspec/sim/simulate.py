@@ -71,8 +71,8 @@ class SimConfig:
         """The engine's policy object for these settings (dsd's and goodput Tetris's caps clamped to the trace's
         K')."""
         spec = SpecConfig(policy=self.policy, k=self.k, extra=self.extra, capacity=self.capacity,
-                          turn_on_batch_size=self.turn_on_batch_size, k_max=min(self.k_max, width),
-                          max_draft=min(2 * self.k_max if self.max_draft is None else self.max_draft, width))
+                          turn_on_batch_size=self.turn_on_batch_size, k_max=self.k_max, max_draft=self.max_draft)
+        spec = replace(spec, k_max=min(spec.k_max, width), max_draft=min(spec.draft_cap, width))
         return make_policy(spec, batch_size=self.batch_size)
 
 

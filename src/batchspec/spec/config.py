@@ -31,6 +31,11 @@ class SpecConfig:
     # from earlier steps ("calibrated"; what --capacity auto ranks by) or by the SPRINTER verifier ("verifier")
     prune_drafts: bool = True  # tetris: a request stops drafting once none of its later drafts could be verified
 
+    @property
+    def draft_cap(self) -> int:
+        """tetris --capacity auto's cap on K' as set: `max_draft`, or twice k_max by default."""
+        return 2 * self.k_max if self.max_draft is None else self.max_draft
+
     def capacity_for(self, batch_size: int) -> int:
         """C = k * B (the verification cost of sd with window k: the Tetris paper's default), or the fixed C.
 

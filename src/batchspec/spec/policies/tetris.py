@@ -169,8 +169,7 @@ class TetrisPolicy(Policy):
         when larger)."""
         if not self.auto:
             return super().max_draft_length()
-        cap = 2 * self.spec.k_max if self.spec.max_draft is None else self.spec.max_draft
-        return max(self.spec.k + self.spec.extra, cap)
+        return max(self.spec.k + self.spec.extra, self.spec.draft_cap)
 
     def plan(self, batch_size: int, step_time=None, requests=None, catch_up=None, remaining=None) -> Plan:
         if not self.auto:
