@@ -18,7 +18,7 @@ from batchspec.spec.policies import make_policy
 from batchspec.spec.policies.exploration import Exploration
 from batchspec.spec.policies.goodput import (CatchUp, Goodput, capacity_rates, catch_up_pays, drafting_time,
                                              goodput_capacity, goodput_draft_lengths, goodput_plan, goodput_windows,
-                                             padded_rows, pass_times, smallest_step)
+                                             padded_rows, pass_times, smallest_step, uniform_rates)
 from batchspec.spec.policies.tetris import _top_capacity_windows
 from batchspec.spec.proposal import replay_drafting, undrafted
 from batchspec.spec.step_time import RowTimeTable, StepCost, StepTimeModel
@@ -277,6 +277,38 @@ def test_a_plan_drafts_only_for_the_requests_allowed_and_is_the_best_of_those(ba
         if not plan[~allowed].any():
             assert rate >= (_plan_rate(expected, plan, passes, target) if plan.any() else batch / target[0]) - 1e-12
     assert rate >= chosen - 1e-12
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 6), st.integers(0, 10_000), st.sampled_from([0.0, 0.004, 0.02]),
+       st.integers(0, 3), st.booleans())
+def test_every_uniform_k_is_rated_at_once_as_one_at_a_time(batch, width, seed, pad_s, done, staircase):
+    """`uniform_rates` gives, for every K' together, bit for bit the rate of drafting K' for every request that
+    `goodput_windows` (or `capacity_rates` without padding) gives one K' at a time, ties and zero survival
+    included."""
+    rng = np.random.default_rng(seed)
+    # Rounded to tenths: many ties, across requests and positions; zeros as for requests not allowed to draft.
+    expected = np.round(np.cumprod(rng.uniform(0.0, 1.0, (batch, width)), axis=1), 1)
+    expected[rng.uniform(size=batch) < 0.2] = 0.0
+    rows = np.arange(batch * width + 1)
+    target = 0.05 + (0.02 * (rows // 4) if staircase else rng.uniform(0.001, 0.01) * rows)
+    passes_s = rng.uniform(0.0, 0.02)
+    done = min(done, width - 1)
+    k_primes = np.arange(max(done, 1), width + 1)
+    drafting_s = 0.003 + (k_primes - done) * passes_s
+    order = np.argsort(-expected.reshape(-1), kind="stable")
+    prefix = np.concatenate([np.zeros((batch, 1)), np.cumsum(expected, axis=1)], axis=1)
+    one_at_a_time = []
+    for k_prime, drafting in zip(k_primes, drafting_s):
+        times = drafting + target
+        if pad_s:
+            windows = goodput_windows(expected[:, :k_prime], times, pad_s)
+            verified = int(windows.sum())
+            one_at_a_time.append((batch + float(prefix[np.arange(batch), windows].sum()))
+                                 / (times[verified] + pad_s * (batch * int(windows.max()) - verified)))
+        else:
+            one_at_a_time.append(float(capacity_rates(expected[:, :k_prime], times).max()))
+    assert uniform_rates(expected, order, drafting_s, k_primes, target, pad_s).tolist() == one_at_a_time
 
 
 def test_a_catch_up_pays_where_a_requests_share_of_the_gain_covers_it():

@@ -181,25 +181,54 @@ def goodput_plan(expected: np.ndarray, passes: np.ndarray, target: np.ndarray, p
         lengths, best_rate = np.bincount(order[:best + 1] // width, minlength=batch), float(rates[best])
     drafters = batch if allowed is None else int(allowed.sum())
     if batch > 1 and drafters:  # one request: every plan of one K' is a prefix above, drafted at least as long
-        prefix = np.concatenate([np.zeros((batch, 1)), np.cumsum(expected, axis=1)], axis=1)  # (B, K + 1)
         lagged = 0.0
         if lagging:  # the first pass over the drafters' lags besides
             extra = int(lag.sum() if allowed is None else lag[allowed].sum())
             lagged = float(passes[drafters + extra] - passes[drafters])
-        for k_prime in range(max(done, 1), width + 1):
-            times = spent + lagged + (k_prime - done) * passes[drafters] + target
-            if pad_s:  # as `goodput_windows` will choose C, uneven windows priced
-                windows = goodput_windows(expected[:, :k_prime], times, pad_s)
-                verified = int(windows.sum())
-                rate = ((batch + float(prefix[np.arange(batch), windows].sum()))
-                        / (times[verified] + pad_s * (batch * int(windows.max()) - verified)))
-            else:
-                rate = float(capacity_rates(expected[:, :k_prime], times).max())
-            if rate > best_rate:
-                best_rate = rate
-                lengths = (np.full(batch, k_prime, dtype=np.int64) if allowed is None
-                           else np.where(allowed, k_prime, 0).astype(np.int64))
+        k_primes = np.arange(max(done, 1), width + 1)
+        drafting_s = spent + lagged + (k_primes - done) * passes[drafters]  # (K',) the draft passes of each K'
+        rates = uniform_rates(expected, order, drafting_s, k_primes, target, pad_s)
+        pick = int(np.argmax(rates))
+        if rates[pick] > best_rate:
+            best_rate, k_prime = float(rates[pick]), int(k_primes[pick])
+            lengths = (np.full(batch, k_prime, dtype=np.int64) if allowed is None
+                       else np.where(allowed, k_prime, 0).astype(np.int64))
     return lengths, best_rate if lengths.any() else plain
+
+
+def uniform_rates(expected: np.ndarray, order: np.ndarray, drafting_s: np.ndarray, k_primes: np.ndarray,
+                  target: np.ndarray, pad_s: float = 0.0) -> np.ndarray:
+    """(len(k_primes),) the predicted tokens per second of drafting K' for every request, for each K' of
+    `k_primes`, the target verifying the goodput-best C of the drafts (`goodput_windows`; `capacity_rates` where
+    pad_s is 0): all K' at once, every figure as those functions compute it.
+
+    expected (B, K), order: the stable argsort of its negated entries in row-major order (`goodput_plan`'s); the
+    K'-column prefix's own stable order is the entries of `order` in its first K' columns, in the same order.
+    drafting_s (len(k_primes),): each K''s seconds of draft passes, added to target's seconds over B + C rows.
+    """
+    batch, width = expected.shape
+    columns = order % width
+    values = expected.reshape(-1)[order]  # (N,) in the order entries are verified
+    inside = columns < k_primes[:, None]  # (K', N): the entries a K'-column prefix has
+    counts = np.cumsum(inside, axis=1)  # C once the entry is verified (where inside)
+    plain = batch / (drafting_s + target[0])  # C = 0: every request emits one token
+    tokens = np.cumsum(np.where(inside, values, 0.0), axis=1) + batch  # B + the survival verified so far
+    seconds = drafting_s[:, None] + target[counts]
+    if not pad_s:
+        return np.maximum(plain, np.where(inside, tokens / seconds, -np.inf).max(axis=1))
+    deepest = np.maximum.accumulate(np.where(inside, columns, 0), axis=1)
+    seconds += pad_s * (batch * (deepest + 1) - counts)  # `padded_rows` of each prefix's order
+    rates = np.where(inside, tokens / seconds, -np.inf)
+    best = np.argmax(rates, axis=1)  # (K',) the entry of the first best C
+    lines = np.arange(len(k_primes))
+    capacity = np.where(rates[lines, best] > plain, counts[lines, best], 0)
+    # Each request's window at that C and the rate `goodput_plan` prices it at, as for one K' at a time.
+    verified = inside & (counts <= capacity[:, None])
+    cells = lines[:, None] * batch + order // width  # (K', N): (K', request) of each entry, flattened
+    windows = np.bincount(cells[verified], minlength=len(k_primes) * batch).reshape(len(k_primes), batch)
+    prefix = np.concatenate([np.zeros((batch, 1)), np.cumsum(expected, axis=1)], axis=1)  # (B, K + 1)
+    gained = prefix[np.arange(batch)[None, :], windows].sum(axis=1)  # (K',)
+    return (batch + gained) / (drafting_s + target[capacity] + pad_s * (batch * windows.max(axis=1) - capacity))
 
 
 def catch_up_pays(lengths: np.ndarray, expected: np.ndarray, rate: float, plain_rate: float, owed_s: np.ndarray,
