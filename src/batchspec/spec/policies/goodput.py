@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
+from typing import ClassVar
 
 import numpy as np
 
@@ -467,7 +468,7 @@ class Goodput:
                 return np.full(batch, self.max_draft, dtype=np.int64)
             return np.where(catch_up.cheapest(), self.max_draft, 0).astype(np.int64)
         own = self._own_rows(requests)
-        lag = None if catch_up is None else first_pass_lag(catch_up.tokens)
+        lag = None if catch_up is None else catch_up.lag
         key = requests, None if lag is None else lag.tobytes()
         if self._best is not None and self._best[0] == key and self._best[1] is target:
             lengths, rate = self._best[2]  # nothing learned since (plain decoding steps): the same choice
@@ -501,34 +502,38 @@ class Goodput:
         return explorers.astype(np.int64)
 
 
-def first_pass_lag(tokens: np.ndarray) -> np.ndarray:
-    """(B,) the rows each request adds to a step's first draft pass every step (`goodput_plan`'s lag) from the tokens
-    its draft cache lacks (`CatchUp.tokens`): at most one; a longer catch-up is paid once (`catch_up_pays`)."""
-    return np.minimum(tokens, 1)
-
-
 @dataclass(frozen=True)
 class CatchUp:
     """What each request's draft cache lacks, and how long the request may still run: `Goodput.draft_lengths` weighs
-    paying for the first against what drafting gains over the second."""
+    paying for the first against what drafting gains over the second.
+
+    A request at most `CAUGHT_UP` token behind is caught up: that token rides in every step's first draft pass (the
+    plan's `lag`), where a longer catch-up is paid once (`catch_up_pays`)."""
 
     tokens: np.ndarray  # (B,) tokens the draft has not run beyond the one every pass runs (a whole prompt at first)
     remaining: np.ndarray  # (B,) tokens each request may still emit
     seconds: Callable[[int, np.ndarray], np.ndarray]  # (requests drafting, tokens) -> (B,) seconds they add
 
+    CAUGHT_UP: ClassVar[int] = 1
+
+    @cached_property
+    def lag(self) -> np.ndarray:
+        """(B,) the rows each request adds to a step's first draft pass (`goodput_plan`'s lag): at most `CAUGHT_UP`."""
+        return np.minimum(self.tokens, self.CAUGHT_UP)
+
     def affordable(self, budget: float) -> np.ndarray:
         """(B,) bool: the most requests, cheapest to catch up first, whose catch-ups together take at most `budget`
-        seconds (a request caught up, at most one token behind, costs nothing: every draft pass runs that token)."""
+        seconds (a request caught up costs nothing: every draft pass runs its token)."""
         order = np.argsort(self.tokens, kind="stable")
         chosen = np.zeros(len(order), dtype=bool)
         for count in range(len(order), 0, -1):
             tokens = self.tokens[order[:count]]
-            owed = np.where(tokens <= 1, 0.0, self.seconds(count, tokens))
+            owed = np.where(tokens <= self.CAUGHT_UP, 0.0, self.seconds(count, tokens))
             if float(owed.sum()) <= budget:
                 chosen[order[:count]] = True
                 break
         return chosen
 
     def cheapest(self) -> np.ndarray:
-        """(B,) bool: the requests caught up already (at most one token behind), else the ones with the fewest."""
-        return self.tokens <= max(1, int(self.tokens.min()))
+        """(B,) bool: the requests caught up already, else the ones with the fewest tokens to run."""
+        return self.tokens <= max(self.CAUGHT_UP, int(self.tokens.min()))

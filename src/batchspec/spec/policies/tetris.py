@@ -22,8 +22,8 @@ from torch import Tensor
 
 from batchspec.errors import BatchspecError
 from batchspec.spec.policies.base import Plan, Policy, sd_windows
-from batchspec.spec.policies.goodput import (CatchUp, Goodput, drafting_time, first_pass_lag, goodput_windows,
-                                             pass_times, smallest_step)
+from batchspec.spec.policies.goodput import (CatchUp, Goodput, drafting_time, goodput_windows, pass_times,
+                                             smallest_step)
 from batchspec.spec.proposal import KeepDrafting
 from batchspec.spec.verifier import DraftScorer, calibrated_log_probs
 
@@ -148,7 +148,7 @@ class TetrisPolicy(Policy):
         self.goodput = Goodput(self.max_draft_length()) if self.calibrated else None
         self._costs = None  # (cost model, {B: (draft pass times by rows, target times by C)}) of the steps seen
         self._planned = None  # (plan, its `_step_times`, its fewest drafts of a request) of the current step
-        self._lag = None  # (B,) the current step's first-pass lag per request (`goodput.first_pass_lag`)
+        self._lag = None  # (B,) the current step's first-pass lag per request (`goodput.CatchUp.lag`)
         self._selected = None, None  # (proposal, its log q as numpy) of the last `select` with capacity="auto"
 
     @classmethod
@@ -180,7 +180,7 @@ class TetrisPolicy(Policy):
         owed = None  # the draft's catch-up, priced where the cost model has timed it
         if catch_up is not None and remaining is not None and getattr(step_time, "catch_up", False):
             owed = CatchUp(np.asarray(catch_up), np.asarray(remaining), step_time.catch_up_s)
-        self._lag = None if owed is None else first_pass_lag(owed.tokens)  # as `draft_lengths` prices it
+        self._lag = None if owed is None else owed.lag  # as `draft_lengths` prices it
         lengths = self.goodput.draft_lengths(requests, *self._step_costs(step_time, batch_size), step_time.pad_s,
                                              owed)
         return replace(super().plan(batch_size), k_prime=int(lengths.max(initial=0)), step_time=step_time,
