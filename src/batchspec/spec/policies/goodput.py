@@ -205,7 +205,7 @@ def uniform_rates(expected: np.ndarray, order: np.ndarray, drafting_s: np.ndarra
 
     expected (B, K), order: the stable argsort of its negated entries in row-major order (`goodput_plan`'s); the
     K'-column prefix's own stable order is the entries of `order` in its first K' columns, in the same order.
-    drafting_s (len(k_primes),): each K''s seconds of draft passes, added to target's seconds over B + C rows.
+    drafting_s (len(k_primes),): the seconds of each plan's draft passes, added to the target's over B + C rows.
     """
     batch, width = expected.shape
     columns = order % width
