@@ -151,6 +151,26 @@ def test_a_refreshed_table_keeps_its_shape_at_the_machines_new_speed():
     assert float(table(16)) == pytest.approx(2 * 0.072)
 
 
+def test_a_refresh_slowed_for_a_moment_does_not_price_the_run(monkeypatch):
+    """`StepCost.refresh` times each model twice, in turn, and rescales by the faster figure: one round slowed by
+    another process (the target's first, the draft's second here) leaves the tables at the machine's speed."""
+    target, draft = object(), object()
+    timings = iter([0.2, 0.05, 0.1, 0.08])  # target, draft, then target, draft again
+    calls = []
+
+    def timed(model, appends, repeats):
+        calls.append((model, len(appends)))
+        return next(timings)
+
+    monkeypatch.setattr(profiling, "_time_ragged", timed)
+    cost = profiling.StepCost(profiling.StepTimeModel(0.0, 0.0, 0.0, 0.0), profiling.RowTimeTable((1, 8), (0.05, 0.1)),
+                              profiling.RowTimeTable((1, 8), (0.02, 0.04)))
+    cost.refresh(target, draft, 8)
+    assert calls == [(target, 8), (draft, 8), (target, 8), (draft, 8)]
+    assert float(cost.target(8)) == pytest.approx(0.1) and float(cost.draft(8)) == pytest.approx(0.05)
+    assert float(cost.target(1)) == pytest.approx(0.05) and float(cost.draft(1)) == pytest.approx(0.025)
+
+
 def test_a_forward_far_past_the_table_moves_its_last_point_by_ratio_not_to_zero():
     """A draft pass that ran every prompt (2,000 rows, far past a table ending at 144) and took less than the last
     slope predicts scales the last point down by at most half, never through zero (which would flatten the table)."""
