@@ -196,7 +196,7 @@ class StepCost:
         """Time again the forwards a step of `batch` requests always runs, the target's over `batch` rows (a plain
         step) and one draft pass over them, and scale each table by what it measured there (`RowTimeTable.rescale`):
         a cached profile is the machine as it was when profiled, and the first steps of a run choose whether to pay
-        for the draft's catch-up of every prompt. About a second (four forwards of each model, twice).
+        for the draft's catch-up of every prompt. Untimed: about two seconds on the Qwen pair (eight forwards of each).
 
         Moving the `batch`-row point alone (as `learn`) priced verification against a plain step of another speed:
         on the SmolLM2 pair at batch 16 (Xeon) the profile's 88 ms at 16 rows was re-timed at 72 while 32 rows stayed
@@ -206,8 +206,7 @@ class StepCost:
         Each model is timed twice, the two models in turn, and the faster figure counts: a shared machine slows down
         for a second or two now and then, and one such moment would price a whole run. Measured on the Xeon (the
         Qwen pair, 8 rows, twelve refreshes in a row): the target 167-175 ms, the draft 47-48 ms in nine and 78-79 ms
-        in three consecutive ones: a table scaled 1.65x (a bench trial in which goodput Tetris drafted 913 tokens in
-        127 target calls, against 1,232-1,248 in 103-106 in the trials before, looked like one; not reproduced)."""
+        in three consecutive ones: a run's draft passes priced 1.65x."""
         timed = [(table, model) for table, model in ((self.target, target), (self.draft, draft)) if table is not None]
         rounds = [[_time_ragged(model, [1] * batch, repeats=3) for _, model in timed] for _ in range(2)]
         for (table, _), seconds in zip(timed, map(min, zip(*rounds))):
