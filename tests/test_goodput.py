@@ -569,20 +569,47 @@ def test_positions_past_the_drafts_follow_the_calibration():
     assert goodput.expected_survival[5:].min() > 0.9
     assert _lengths(goodput.expected_survival, 4, _cost(draft_step=0.01, per_row=0.001)) == [8] * 4
     sure = drafts[:, :5]
-    # A request that stopped drafting (pruned) continues at the rate drafts at each further position have had, not
-    # at zero; past the deepest position ever drafted, at the deepest one's. Brute force, request by request:
+    # A request that stopped drafting (pruned) continues as drafts after its last one's bin have been, not at zero.
     pruned = sure.copy()
     pruned[0, 2:] = -np.inf
-    survival = goodput._survival(bin_of(pruned))
-    depth_rates = (goodput._depth_counts @ goodput.calibration.rates) / goodput._depth_counts.sum(axis=1)
+    bins = bin_of(pruned)
+    assert goodput._continued(goodput._survival(bins), bins) == pytest.approx(_continued_by_paths(goodput, pruned))
+
+
+def _continued_by_paths(goodput: Goodput, logprobs: np.ndarray) -> np.ndarray:
+    """`Goodput._continued` brute force, request by request: the expected survival of each later position, the
+    distribution over the next draft's bin carried forward one draft at a time (counted transitions plus the stay
+    prior, each bin's calibrated acceptance multiplied in)."""
+    rates = goodput.calibration.rates
+    counts = goodput._transitions + goodput.stay_prior * np.eye(len(rates))
+    follows = counts / counts.sum(axis=1, keepdims=True)
     rows = []
-    for row in survival:
-        drafted = int((row > 0).sum())
-        continued = list(row[:drafted])
-        for position in range(drafted, 8):
-            continued.append(continued[-1] * depth_rates[position])
-        rows.append(continued)
-    assert goodput._continued(survival) == pytest.approx(np.array(rows))
+    for row in logprobs:
+        bins = [int(b) for b in bin_of(row) if b > 0]
+        survival = list(np.cumprod(rates[bins]))
+        weights = np.eye(len(rates))[bins[-1]] * survival[-1]  # survival mass by the last draft's bin
+        while len(survival) < goodput.max_draft:
+            weights = (weights @ follows) * rates
+            survival.append(float(weights.sum()))
+        rows.append(survival)
+    return np.array(rows)
+
+
+def test_a_request_continues_as_drafts_after_its_own_have_been():
+    """Two kinds of drafting: sure drafts followed by sure ones, unsure followed by unsure. A request whose last draft
+    was sure is continued at the sure ones' rate, one whose last was unsure at the unsure ones' (a rate by position
+    alone would give both the mean)."""
+    goodput = Goodput(max_draft=6)
+    drafts = np.log(np.array([[0.999] * 6, [0.45] * 6]))
+    for _ in range(10):
+        goodput.survival(drafts)
+        goodput.observe(drafts, np.full(2, 6), np.array([6, 0]))  # the sure ones all accepted, the unsure none
+    short = drafts[:, :2]
+    continued = goodput._continued(goodput.estimate(short), bin_of(short))
+    rates = goodput.calibration.estimate(drafts[:, 0])
+    assert continued[0, 2:] == pytest.approx(continued[0, 1] * rates[0] ** np.arange(1, 5))
+    assert continued[1, 2:] == pytest.approx(continued[1, 1] * rates[1] ** np.arange(1, 5))
+    assert continued[0, 5] > 0.9 and continued[1, 5] < 0.01
 
 
 def test_positions_never_drafted_continue_at_the_deepest_ones_rate():
@@ -599,12 +626,14 @@ def test_a_step_without_any_draft_continues_nothing():
     survival = goodput.survival(np.full((2, 2), -np.inf))  # every log q -inf: nothing drafted
     assert not survival.any()
     assert goodput.expected_survival is None  # nothing learned of any position
-    assert goodput._continued(survival).shape == (2, 4) and not goodput._continued(survival).any()
+    continued = goodput._continued(survival, bin_of(np.full((2, 2), -np.inf)))
+    assert continued.shape == (2, 4) and not continued.any()
 
 
-def test_depth_rates_keep_acceptance_that_falls_with_depth():
-    """Drafts that get less sure with depth: positions past K' are continued at what deeper drafts have been like
-    (learned when they were drafted), not at the last draft's rate, so K' does not grow where it would not pay."""
+def test_acceptance_that_falls_with_depth_stays_falling_past_the_drafts():
+    """Drafts that get less sure with depth: positions past K' are continued as the drafts that followed such a draft
+    have been (learned when they were drafted), not at the last draft's rate, so K' does not grow where it would not
+    pay."""
     goodput = Goodput(max_draft=6)
     falling = np.log(np.tile([0.99, 0.9, 0.6, 0.35, 0.15, 0.07], (4, 1)))
     for _ in range(20):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 from typing import ClassVar
 
 import numpy as np
@@ -86,14 +86,6 @@ def goodput_keep_drafting(survival: np.ndarray, drafting: np.ndarray, times: np.
         return drafting
     bound = float(capacity_rates(survival, times).max()) * step * (1.0 - 1e-9)  # a margin for rounding
     return drafting & (survival[:, -1] >= bound)
-
-
-@cache
-def _bin_offsets(width: int, size: int) -> np.ndarray:
-    """(width,) size * position: bins of different positions made distinct for one bincount."""
-    offsets = size * np.arange(width)
-    offsets.flags.writeable = False  # shared by every caller
-    return offsets
 
 
 def pass_times(step_time, rows: int) -> np.ndarray:
@@ -273,6 +265,7 @@ class Goodput:
     # 841 target calls, `ar`'s, where sd ran 1.16x `ar`).
     explore_share = 0.125
     population_memory = 32  # requests whose estimates, as they left the batch, a new request's starting one averages
+    stay_prior = 1.0  # pseudo-counts of a draft's bin following itself, before any are counted (`_growth_table`)
 
     def __init__(self, max_draft: int, decay: float = 0.8) -> None:
         self.max_draft = max_draft
@@ -289,8 +282,10 @@ class Goodput:
         self._plain_steps = 0  # steps planned to draft nothing since the batch last drafted (explorations included)
         self.exploring = False  # whether the last `draft_lengths` was an exploration (its drafts are all verified)
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
-        self._depth_counts: np.ndarray | None = None  # (max_draft, 1 + bins): drafts per bin and position, decayed
-        self._after = np.triu(np.ones((max_draft + 1, max_draft)))  # (d, j): 1 where position j follows d drafts
+        # (1 + bins, 1 + bins): how often a draft in bin c followed one in bin b (`_learn_transitions`); None until
+        # a step has drafted
+        self._transitions: np.ndarray | None = None
+        self._growth: tuple[np.ndarray, np.ndarray] | None = None  # (calibration rates, `_growth_table` on them)
         # ((requests, lags), costs, (lengths, rate)) of the last plan, until survival changes
         self._best: tuple | None = None
 
@@ -306,12 +301,12 @@ class Goodput:
         survival = self._survival(bins)
         self._best = None
         full = np.count_nonzero(bins) == bins.size  # no bin 0: every request drafted every position of the step
-        self._learn_depths(bins, full)
+        self._learn_transitions(bins, full)
         every = full and survival.shape[1] == self.max_draft
         if every:
             continued, drafted = survival, None
         else:
-            continued = self._continued(survival)  # (B, max_draft)
+            continued = self._continued(survival, bins)  # (B, max_draft)
             drafted = survival[:, 0] > 0
             every = bool(drafted.all())
         if every or drafted.any():
@@ -364,48 +359,68 @@ class Goodput:
         else:
             self._population += max(1.0 / self._left, 1.0 / self.population_memory) * (own - self._population)
 
-    def _learn_depths(self, bins: np.ndarray, full: bool = False) -> None:
-        """Remember, per draft position, how its drafts' q fall into the calibration's bins (counts decayed by
-        `decay` at each step that drafts the position): what a draft at that depth is like, to be rated by the
-        latest calibration. full: no bin 0 (every request drafted every position), the common case made cheap."""
+    def _learn_transitions(self, bins: np.ndarray, full: bool = False) -> None:
+        """Count, for each pair of consecutive drafts of a request, the calibration bin of the second under the bin of
+        the first: what the drafts after a request's last one are likely to be like (`_continued`). full: no bin 0
+        (every request drafted every position), the common case made cheap."""
         size = len(EDGES)  # the calibration's bins and bin 0
-        width = bins.shape[1]
-        counts = np.bincount((bins + _bin_offsets(width, size)).ravel(), minlength=width * size).reshape(width, size)
-        if self._depth_counts is None:
-            self._depth_counts = np.zeros((self.max_draft, size))
-        head = self._depth_counts[:width]  # a view: updated in place
-        if full:
-            head *= self.decay
-        else:
-            counts[:, 0] = 0  # bin 0: not drafted
-            head[counts.any(axis=1)] *= self.decay
-        head += counts
+        if self._transitions is None:
+            self._transitions = np.zeros((size, size))
+        if bins.shape[1] > 1:
+            pairs = bins[:, :-1] * size + bins[:, 1:]
+            if not full:
+                pairs = pairs[(bins[:, :-1] > 0) & (bins[:, 1:] > 0)]  # bin 0: not drafted (the request stopped)
+            self._transitions += np.bincount(pairs.ravel(), minlength=size * size).reshape(size, size)
+        self._growth = None
 
-    def _continued(self, survival: np.ndarray) -> np.ndarray:
+    def _growth_table(self) -> np.ndarray:
+        """(max_draft + 1, 1 + bins) G[n, b]: the expected product of the calibrated acceptance of the next n drafts
+        after a draft in bin b, the bins following one another as counted (`_learn_transitions`; a bin never seen
+        followed stays where it is: `stay_prior` pseudo-counts): G[n] = M G[n - 1], M[b, c] = P(c | b) P(accept | c).
+        Kept until the counts or the calibration change."""
+        rates = self.calibration.rates
+        if self._growth is None or self._growth[0] is not rates:
+            counts = self._transitions + self.stay_prior * np.eye(len(rates))
+            steps = counts / counts.sum(axis=1, keepdims=True) * rates  # (b, c)
+            table = np.ones((self.max_draft + 1, len(rates)))
+            for ahead in range(1, self.max_draft + 1):
+                np.matmul(steps, table[ahead - 1], out=table[ahead])
+            self._growth = rates, table
+        return self._growth[1]
+
+    def _continued(self, survival: np.ndarray, bins: np.ndarray) -> np.ndarray:
         """(B, max_draft) each request's survival (B, K') continued past its last draft (past K', or where it stopped
-        drafting) at the rate drafts at each further position have had (`_learn_depths`, rated by the latest
-        calibration; a position never drafted, at the deepest one's); 0 for a request that drafted nothing.
-        Positions left at what an early step estimated (from the prior, before any outcome) kept K' at whatever it
-        first chose: measured on the Qwen pair at batch 4, the first step put positions 6-8 at 0.56-0.49, so K'
-        stayed 5 while every position was accepted ~0.99 of the time; continuing each request at its own last
-        draft's rate instead over-drafted where acceptance falls with depth (the SmolLM2 pair at batch 16: 3,234
-        drafts to 2,563, 0.95x dsd)."""
+        drafting) by what drafts after one in its last draft's bin have been like (`_growth_table`); 0 for a request
+        that drafted nothing. bins: the drafts' `bin_of`.
+
+        Drafts of one request are alike: after a sure draft the next ones are mostly sure too. Continuing every
+        request at the mean rate that drafts at each further position had lately (the batch's, by position) ignored
+        that, and under-predicted survival past the drafts: measured on recorded steps (sd with k = 7, every draft
+        verified; greedy, 128 tokens), predicting positions 2-7 from the first draft, the mean-by-position rates
+        gave 0.79x the survival observed on the SmolLM2 pair (HumanEval, batch 16) and 0.81x on the Qwen pair
+        (mixed set, batch 8), 0.70-0.75x from the third draft; following the bins, 1.00x and 1.02x (0.81x and
+        0.90x from the third), the mean squared error per position 0.150 -> 0.149 and 0.160 -> 0.114. In goodput Tetris the
+        re-plans between draft passes (`draft_on`) priced deeper drafts on those rates, so a run could settle on one
+        draft per request: the Qwen pair, mixed set, batch 8, the engine's fourth run of four after sd's runs (an
+        in-process replica of the bench loop) stopped every step after its first pass for 30 steps, where the plans
+        made before drafting had three drafts each (132 target calls, 995 drafts against 103-111 and 1,220-1,257 in
+        its other runs). Earlier forms: positions left at what an early step estimated kept K' at what it first
+        chose (the Qwen pair at batch 4: positions 6-8 at 0.56-0.49 from the prior, accepted ~0.99 of the time);
+        each request continued at its own last draft's rate over-drafted where acceptance falls with depth (the
+        SmolLM2 pair at batch 16: 3,234 drafts to 2,563, 0.95x dsd)."""
         batch, width = survival.shape
         continued = np.zeros((batch, self.max_draft))
         continued[:, :width] = survival
-        totals = self._depth_counts.sum(axis=1)
-        seen = np.flatnonzero(totals)
-        if not seen.size:  # no position drafted yet (every log q -inf): nothing to continue
-            return continued
-        rates = self._depth_counts @ self.calibration.rates
-        rates[seen] /= totals[seen]
-        rates[seen[-1] + 1:] = rates[seen[-1]]  # never drafted: as the deepest position drafted
-        cum = np.zeros(self.max_draft + 1)
-        np.cumsum(np.log(np.maximum(rates, 1e-12)), out=cum[1:])  # cum[j]: log of the product of rates before j
         drafted = np.count_nonzero(survival, axis=1)  # (B,) > 0 exactly where drafted (every rate is > 0)
-        last = survival[np.arange(batch), np.maximum(drafted - 1, 0)] * (drafted > 0)  # (B,)
-        growth = np.exp(cum[None, 1:] - cum[:, None]) * self._after  # (d, j): rates at positions d..j
-        continued += last[:, None] * growth[drafted]
+        if not drafted.any():  # nothing drafted (every log q -inf): nothing to continue
+            return continued
+        rows, last = np.arange(batch), np.maximum(drafted - 1, 0)
+        positions = np.arange(self.max_draft)
+        past = positions[None, :] > last[:, None]  # (B, max_draft) positions after the last draft
+        ahead = (positions[None, :] - last[:, None]) * past  # drafts past the last one (0 where not past it)
+        growth = self._growth_table()[ahead, bins[rows, last][:, None]]  # (B, max_draft)
+        tail = survival[rows, last] * (drafted > 0)  # (B,)
+        np.copyto(continued, tail[:, None] * growth, where=past)
         return continued
 
     def estimate(self, logprobs: np.ndarray) -> np.ndarray:
@@ -421,20 +436,21 @@ class Goodput:
     def draft_on(self, logprobs: np.ndarray, drafting: np.ndarray, passes: np.ndarray, target: np.ndarray,
                  pad_s: float = 0.0) -> np.ndarray:
         """Which of the requests still drafting draft on, the step re-planned on the drafts so far (B, j): their own
-        calibrated survival, continued past them at each position's recent rate (`_continued`), planned by
+        calibrated survival, continued past them as drafts after theirs have been (`_continued`), planned by
         `goodput_draft_lengths` with the j passes made already paid for. (B,) bool.
 
         What the drafts say overrides what earlier steps predicted: a request whose first drafts the draft model
         was unsure of stops, where the plan made before drafting had it draft on. Measured on the SmolLM2 pair
         (greedy HumanEval, 128 tokens, one run each, tetris over the best of ar, sd, dsd): batch 1 0.967 -> 1.020,
         batch 8 0.972 -> 1.001 (fewer verification steps: 383 vs 423 and 233 vs 244)."""
-        if self._depth_counts is None:  # nothing learned yet: draft the plan
+        if self._transitions is None:  # nothing learned yet: draft the plan
             return drafting
         done = logprobs.shape[1]
-        survival = self.estimate(logprobs)  # (B, j), 0 past the end of a request that stopped
+        bins = bin_of(logprobs)
+        survival = self._survival(bins)  # (B, j), 0 past the end of a request that stopped
         made = np.count_nonzero(logprobs > -np.inf, axis=1)  # (B,) drafts each request made
         # Continued past its drafts while drafting; a request that stopped drafts nothing more.
-        expected = self._continued(survival)  # (B, max_draft)
+        expected = self._continued(survival, bins)  # (B, max_draft)
         expected[np.arange(self.max_draft) >= np.where(drafting, self.max_draft, made)[:, None]] = 0.0
         lengths = goodput_draft_lengths(expected, passes, target, pad_s, done, drafting_time(made, passes))
         return drafting & (lengths > done)
