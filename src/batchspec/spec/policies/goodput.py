@@ -395,19 +395,19 @@ class Goodput:
 
         Drafts of one request are alike: after a sure draft the next ones are mostly sure too. Continuing every
         request at the mean rate that drafts at each further position had lately (the batch's, by position) ignored
-        that, and under-predicted survival past the drafts: measured on recorded steps (sd with k = 7, every draft
-        verified; greedy, 128 tokens), predicting positions 2-7 from the first draft, the mean-by-position rates
-        gave 0.79x the survival observed on the SmolLM2 pair (HumanEval, batch 16) and 0.81x on the Qwen pair
-        (mixed set, batch 8), 0.70-0.75x from the third draft; following the bins, 1.00x and 1.02x (0.81x and
-        0.90x from the third), the mean squared error per position 0.150 -> 0.149 and 0.160 -> 0.114. In goodput Tetris the
-        re-plans between draft passes (`draft_on`) priced deeper drafts on those rates, so a run could settle on one
-        draft per request: the Qwen pair, mixed set, batch 8, the engine's fourth run of four after sd's runs (an
-        in-process replica of the bench loop) stopped every step after its first pass for 30 steps, where the plans
-        made before drafting had three drafts each (132 target calls, 995 drafts against 103-111 and 1,220-1,257 in
-        its other runs). Earlier forms: positions left at what an early step estimated kept K' at what it first
-        chose (the Qwen pair at batch 4: positions 6-8 at 0.56-0.49 from the prior, accepted ~0.99 of the time);
-        each request continued at its own last draft's rate over-drafted where acceptance falls with depth (the
-        SmolLM2 pair at batch 16: 3,234 drafts to 2,563, 0.95x dsd)."""
+        that, and under-predicted survival past the drafts (`benchmarks/continuation_bias.py`: recorded sd steps,
+        k = 7, greedy, 128 tokens; positions 2-7 predicted from the first draft): 0.79x the survival observed on the
+        SmolLM2 pair (HumanEval, batch 16) and 0.81x on the Qwen pair (mixed set, batch 8), 0.70-0.74x from the
+        third draft; following the bins, 1.00x and 1.02x (0.81x and 0.90x from the third), the mean squared error
+        0.165 -> 0.159 and 0.178 -> 0.111. In goodput Tetris the re-plans between draft passes (`draft_on`) priced
+        deeper drafts on those rates, so a run could settle on one draft per request: the Qwen pair, mixed set,
+        batch 8, the engine's fourth run of four after sd's runs (an in-process replica of the bench loop) stopped
+        every step after its first pass for 30 steps, where the plans made before drafting had three drafts each
+        (132 target calls, 995 drafts against 103-111 and 1,220-1,257 in its other runs). Earlier forms: positions
+        left at what an early step estimated kept K' at what it first chose (the Qwen pair at batch 4: positions 6-8
+        at 0.56-0.49 from the prior, accepted ~0.99 of the time); each request continued at its own last draft's
+        rate over-drafted where acceptance falls with depth (the SmolLM2 pair at batch 16: 3,234 drafts to 2,563,
+        0.95x dsd)."""
         batch, width = survival.shape
         continued = np.zeros((batch, self.max_draft))
         continued[:, :width] = survival
