@@ -612,7 +612,9 @@ def test_a_request_continues_as_drafts_after_its_own_have_been():
     assert continued[0, 5] > 0.9 and continued[1, 5] < 0.01
 
 
-def test_positions_never_drafted_continue_at_the_deepest_ones_rate():
+def test_a_bin_never_seen_followed_continues_at_its_own_rate():
+    """The first step's last draft (q 0.6): no draft has followed one in its bin yet, so the positions past it
+    continue at that bin's own calibrated rate (`Goodput.stay_prior`)."""
     goodput = Goodput(max_draft=8)
     drafts = np.log(np.tile([0.99, 0.9, 0.6], (2, 1)))
     goodput.survival(drafts)
