@@ -612,6 +612,23 @@ def test_a_request_continues_as_drafts_after_its_own_have_been():
     assert continued[0, 5] > 0.9 and continued[1, 5] < 0.01
 
 
+def test_the_continuation_is_built_again_once_the_transitions_have_grown():
+    """The continuation table stays while the pairs of drafts counted since it was built are few (under the
+    calibration's `refit_growth` share of those it was built on), and follows them once they are not."""
+    goodput = Goodput(max_draft=4)
+    drafts = np.log(np.full((8, 4), 0.9))
+    for _ in range(20):  # 8 x 3 pairs each
+        goodput.survival(drafts)
+    table = goodput._growth_table()
+    assert goodput._counted == 480
+    one = bin_of(np.log([[0.9, 0.2]]))  # one pair, 1 / 480 of those counted
+    goodput._learn_transitions(one)
+    assert goodput._growth_table() is table
+    for _ in range(10):  # 11 / 480 > 2 %
+        goodput._learn_transitions(one)
+    assert not np.array_equal(goodput._growth_table(), table) and goodput._counted == 491
+
+
 def test_a_bin_never_seen_followed_continues_at_its_own_rate():
     """The first step's last draft (q 0.6): no draft has followed one in its bin yet, so the positions past it
     continue at that bin's own calibrated rate (`Goodput.stay_prior`)."""

@@ -282,9 +282,11 @@ class Goodput:
         self._plain_steps = 0  # steps planned to draft nothing since the batch last drafted (explorations included)
         self.exploring = False  # whether the last `draft_lengths` was an exploration (its drafts are all verified)
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the last drafts' log q and their bins
-        # (1 + bins, 1 + bins): how often a draft in bin c followed one in bin b (`_learn_transitions`); None until
-        # a step has drafted
+        # (1 + bins, 1 + bins): how often a draft in bin c followed one in bin b, as `_growth_table` was last built
+        # on, and those counted since (`_learn_transitions`); None until a step has drafted
         self._transitions: np.ndarray | None = None
+        self._new_transitions: np.ndarray | None = None
+        self._counted = self._new_counted = 0  # the pairs in each
         self._growth: tuple[np.ndarray, np.ndarray] | None = None  # (calibration rates, `_growth_table` on them)
         # ((requests, lags), costs, (lengths, rate)) of the last plan, until survival changes
         self._best: tuple | None = None
@@ -365,21 +367,29 @@ class Goodput:
         (every request drafted every position), the common case made cheap."""
         size = len(EDGES)  # the calibration's bins and bin 0
         if self._transitions is None:
-            self._transitions = np.zeros((size, size))
+            self._transitions, self._new_transitions = np.zeros((size, size)), np.zeros((size, size))
         if bins.shape[1] > 1:
             pairs = bins[:, :-1] * size + bins[:, 1:]
             if not full:
                 pairs = pairs[(bins[:, :-1] > 0) & (bins[:, 1:] > 0)]  # bin 0: not drafted (the request stopped)
-            self._transitions += np.bincount(pairs.ravel(), minlength=size * size).reshape(size, size)
-        self._growth = None
+            self._new_transitions += np.bincount(pairs.ravel(), minlength=size * size).reshape(size, size)
+            self._new_counted += pairs.size
 
     def _growth_table(self) -> np.ndarray:
         """(max_draft + 1, 1 + bins) G[n, b]: the expected product of the calibrated acceptance of the next n drafts
         after a draft in bin b, the bins following one another as counted (`_learn_transitions`; a bin never seen
         followed stays where it is: `stay_prior` pseudo-counts): G[n] = M G[n - 1], M[b, c] = P(c | b) P(accept | c).
-        Kept until the counts or the calibration change."""
+        Kept until the calibration's rates are fitted again or the pairs counted since grow past its `refit_growth`
+        share of those it was built on, as the rates themselves (built at every step, on the SmolLM2 pair at batch 1
+        `select` took 690-884 us per step in the engine, 547-556 gated: the policy's numpy work runs on caches the
+        forwards have just flushed, several times slower than in `benchmarks/selection_overhead.py`)."""
         rates = self.calibration.rates
-        if self._growth is None or self._growth[0] is not rates:
+        grown = self._new_counted > self.calibration.refit_growth * self._counted
+        if self._growth is None or self._growth[0] is not rates or grown:
+            if self._new_counted:
+                self._transitions += self._new_transitions
+                self._new_transitions[:] = 0.0
+                self._counted, self._new_counted = self._counted + self._new_counted, 0
             counts = self._transitions + self.stay_prior * np.eye(len(rates))
             steps = counts / counts.sum(axis=1, keepdims=True) * rates  # (b, c)
             table = np.ones((self.max_draft + 1, len(rates)))
