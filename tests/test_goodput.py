@@ -327,6 +327,20 @@ def test_a_catch_up_pays_where_a_requests_share_of_the_gain_covers_it():
     assert not catch_up_pays(lengths, expected, 10.0, 10.0, np.zeros(3), remaining).any()  # no gain at all
 
 
+def test_no_request_drafts_past_the_tokens_it_has_left():
+    """A request with n tokens left can use n - 1 drafts: no plan drafts past them, whatever the others draft; where
+    every request has the cap or more left, the plan is the one without a limit."""
+    passes, target = _costs(_cost(draft_step=0.01, per_row=0.001), 3, 6)
+    goodput = Goodput(max_draft=6)
+    sure = np.log(np.full((3, 6), 0.97))
+    for _ in range(10):
+        goodput.survival(sure, (0, 1, 2))
+        goodput.observe(sure, np.full(3, 6), np.full(3, 6))
+    assert goodput.draft_lengths((0, 1, 2), passes, target).tolist() == [6, 6, 6]
+    assert goodput.draft_lengths((0, 1, 2), passes, target, useful=np.array([9, 2, 0])).tolist() == [6, 2, 0]
+    assert goodput.draft_lengths((0, 1, 2), passes, target, useful=np.array([6, 100, 7])).tolist() == [6, 6, 6]
+
+
 def test_goodput_drafts_only_for_requests_whose_catch_up_pays():
     """Two requests drafting alike, one with its whole 500-token prompt still to run in the draft (10 s): with 20 left
     to emit it draws no drafts (the other drafts on), with 10,000 it does. Before anything is learned only the

@@ -471,8 +471,8 @@ class Goodput:
         bins = self._last[1] if same else bin_of(logprobs)
         self.calibration.update(bins, windows, accepted)
 
-    def draft_lengths(self, requests: tuple, passes: np.ndarray, target: np.ndarray,
-                      pad_s: float = 0.0, catch_up: CatchUp | None = None) -> np.ndarray:
+    def draft_lengths(self, requests: tuple, passes: np.ndarray, target: np.ndarray, pad_s: float = 0.0,
+                      catch_up: CatchUp | None = None, useful: np.ndarray | None = None) -> np.ndarray:
         """Draft lengths (B,) for the next step (`goodput_plan` on each request's own estimate): the whole cap until a
         step has been seen; after a run of plain decoding steps, one draft per request, to see whether drafting pays
         again. passes, target, pad_s: the step's costs, as `goodput_plan` takes them.
@@ -486,7 +486,19 @@ class Goodput:
         `explore_share` of the plain steps since the batch last drafted (`CatchUp.affordable`): what they learn
         decides for the rest, before anyone else pays for a prompt (on the SmolLM2 pair at batch 16, where
         speculation does not pay, an exploration by a request that never drafted ran its prompt and output so far
-        through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain step)."""
+        through the draft: 0.2-0.4 s by the draft's profile, against 0.1 s per plain step).
+
+        useful: (B,) the most drafts each request can still use (None: any number), its tokens left to emit less the
+        one every step emits: the positions past it are worth nothing to the plan, and no request drafts past it.
+        Drafting on, a request's last step drafted and verified tokens it would never emit (on the Qwen pair at
+        batch 4, 128 tokens, ~7 drafts a step: about half a step's drafts, in one step of every ~18)."""
+        if useful is not None and int(useful.min()) >= self.max_draft:
+            useful = None  # no limit this step (and the same plan as the last step's where nothing was learned)
+        lengths = self._draft_lengths(requests, passes, target, pad_s, catch_up, useful)
+        return lengths if useful is None else np.minimum(lengths, useful)
+
+    def _draft_lengths(self, requests: tuple, passes: np.ndarray, target: np.ndarray, pad_s: float,
+                       catch_up: CatchUp | None, useful: np.ndarray | None) -> np.ndarray:
         self.exploring = False
         batch = len(requests)
         if self.expected_survival is None:
@@ -494,8 +506,10 @@ class Goodput:
                 return np.full(batch, self.max_draft, dtype=np.int64)
             return np.where(catch_up.cheapest(), self.max_draft, 0).astype(np.int64)
         own = self._own_rows(requests)
+        if useful is not None:
+            own = np.where(np.arange(self.max_draft) < useful[:, None], own, 0.0)  # a copy: the estimates stay
         lag = None if catch_up is None else catch_up.lag
-        key = requests, None if lag is None else lag.tobytes()
+        key = requests, None if lag is None else lag.tobytes(), None if useful is None else useful.tobytes()
         if self._best is not None and self._best[0] == key and self._best[1] is target:
             lengths, rate = self._best[2]  # nothing learned since (plain decoding steps): the same choice
         else:

@@ -181,8 +181,10 @@ class TetrisPolicy(Policy):
         if catch_up is not None and remaining is not None and getattr(step_time, "catch_up", False):
             owed = CatchUp(np.asarray(catch_up), np.asarray(remaining), step_time.catch_up_s)
         self._lag = None if owed is None else owed.lag  # as `draft_lengths` prices it
+        # A request with n tokens left emits at most n - 1 drafts (and the token every step emits).
+        useful = None if remaining is None else np.maximum(np.asarray(remaining, dtype=np.int64) - 1, 0)
         lengths = self.goodput.draft_lengths(requests, *self._step_costs(step_time, batch_size), step_time.pad_s,
-                                             owed)
+                                             owed, useful)
         return replace(super().plan(batch_size), k_prime=int(lengths.max(initial=0)), step_time=step_time,
                        lengths=lengths, requests=requests)
 
