@@ -490,8 +490,9 @@ class Goodput:
 
         useful: (B,) the most drafts each request can still use (None: any number), its tokens left to emit less the
         one every step emits: the positions past it are worth nothing to the plan, and no request drafts past it.
-        Drafting on, a request's last step drafted and verified tokens it would never emit (on the Qwen pair at
-        batch 4, 128 tokens, ~7 drafts a step: about half a step's drafts, in one step of every ~18)."""
+        Drafting on, a request's last step drafted and verified tokens it would never emit: on the Qwen pair at
+        batch 1 (8 HumanEval prompts, 128 tokens, one engine each way in turn, three runs) 902-916 drafts against
+        935-967 in the same 84-92 target calls, 1.077x the tokens per second (median; 0.968-1.212)."""
         if useful is not None and int(useful.min()) >= self.max_draft:
             useful = None  # no limit this step (and the same plan as the last step's where nothing was learned)
         lengths = self._draft_lengths(requests, passes, target, pad_s, catch_up, useful)
