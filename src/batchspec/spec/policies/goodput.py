@@ -288,7 +288,7 @@ class Goodput:
         self._new_transitions: np.ndarray | None = None
         self._counted = self._new_counted = 0  # the pairs in each
         self._growth: tuple[np.ndarray, np.ndarray] | None = None  # (calibration rates, `_growth_table` on them)
-        # ((requests, lags), costs, (lengths, rate)) of the last plan, until survival changes
+        # ((requests, lags, drafts useful), costs, (lengths, rate)) of the last plan, until survival changes
         self._best: tuple | None = None
 
     def _survival(self, bins: np.ndarray) -> np.ndarray:
