@@ -131,3 +131,77 @@ def test_head_vocabulary_travels_with_hf_directory_and_gguf(tmp_path, default_mo
     (hf_dir / HEAD_VOCAB_FILE).write_text('{"token_ids": [9, 3]}')
     with pytest.raises(BatchspecError, match="strictly increasing"):
         load_model(hf_dir)
+
+
+def _context_model(default_model, head: torch.Tensor) -> Transformer:
+    base = default_model.transformer
+    model = Transformer(base.config, base.embed, base.layers, base.final_norm, base.lm_head)
+    model.restrict_head(head)
+    model.enable_context_head()
+    return model
+
+
+def test_context_head_adds_the_tokens_of_the_batch_sequences(default_model):
+    head = torch.arange(0, 49152, 7)
+    model = _context_model(default_model, head)
+    full = default_model.transformer
+    prompts = [default_model.tokenizer.encode_text(t) for t in ("def fibonacci(n):", "planets = ['Mercury']")]
+    cache, reference = model.new_cache(2, 64), full.new_cache(2, 64)
+    num_new = torch.tensor([len(p) for p in prompts])
+    tokens = torch.tensor(prompts[0] + prompts[1])
+    last = torch.cumsum(num_new, 0) - 1
+    out = model.forward(cache, torch.tensor([0, 1]), num_new, tokens, logit_rows=last)
+    expected = full.forward(reference, torch.tensor([0, 1]), num_new, tokens, logit_rows=last)
+    union = torch.tensor(sorted(set(head.tolist()) | set(prompts[0]) | set(prompts[1])))
+    assert torch.equal(out.head_ids, union)  # sorted: the head's order, ties and searchsorted hold
+    torch.testing.assert_close(out.logits[:, union], expected.logits[:, union], rtol=0, atol=1e-4)
+    outside = torch.ones(49152, dtype=torch.bool)
+    outside[union] = False
+    assert bool(torch.isneginf(out.logits[:, outside]).all())
+    # One slot alone scores its own tokens only; a slot used again from position 0 forgets its old sequence.
+    alone = model.forward(cache, torch.tensor([1]), torch.tensor([1]), torch.tensor([prompts[1][-1]]),
+                          logit_rows=torch.tensor([0]))
+    assert set(alone.head_ids.tolist()) == set(head.tolist()) | set(prompts[1])
+    cache.release(0)
+    slot = cache.allocate()
+    again = model.forward(cache, torch.tensor([slot]), torch.tensor([1]), torch.tensor([0]),
+                          logit_rows=torch.tensor([0]))
+    assert set(again.head_ids.tolist()) == set(head.tolist()) | {0}
+
+
+def test_context_head_needs_a_restricted_plain_head(default_model):
+    base = default_model.transformer
+    model = Transformer(base.config, base.embed, base.layers, base.final_norm, base.lm_head)
+    with pytest.raises(BatchspecError, match="restrict the head first"):
+        model.enable_context_head()
+
+
+@pytest.mark.parametrize("policy", ["sd", "tetris"])
+def test_context_head_draft_is_lossless_greedy(default_model, ar_outputs, policy):
+    counts = torch.zeros(default_model.config.vocab_size)
+    counts[::3] = 1
+    head = choose_head_vocab(counts, default_model.config.vocab_size // 3 + 17,
+                             default_model.tokenizer.special_token_ids())
+    base = default_model.transformer
+    noise = 0.05 * torch.randn(base.lm_head.shape, generator=torch.Generator().manual_seed(1))
+    model = Transformer(base.config, base.embed, base.layers, base.final_norm, base.lm_head + noise)
+    model.restrict_head(head)
+    model.enable_context_head()
+    draft = LoadedModel("context", default_model.model_dir, model, default_model.tokenizer)
+    engine = Engine(default_model, draft, SpecConfig(policy=policy, k=3, extra=2), max_batch_size=3)
+    assert [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=12), chat=True)] == ar_outputs
+    assert 0.0 < engine.metrics()["vsr"] <= 1.0
+
+
+def test_shipped_head_vocabularies_are_well_formed():
+    from batchspec.weights.known_models import KNOWN_MODELS, shipped_head_vocab_dir
+    from batchspec.weights.head_vocab import read_head_vocab
+
+    shipped = [name for name, model in KNOWN_MODELS.items() if model.head_vocab]
+    assert shipped  # the Qwen draft's
+    for name in shipped:
+        ids = read_head_vocab(shipped_head_vocab_dir(name))
+        vocab = 151936 if name.startswith("qwen") else 49152
+        assert ids is not None and ids.numel() % 16 == 0  # int4 packs the rows of a matrix in 16s
+        assert bool((ids[1:] > ids[:-1]).all()) and 0 <= int(ids[0]) and int(ids[-1]) < vocab
+    assert shipped_head_vocab_dir("default") is None

@@ -77,8 +77,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--baselines run on the CPU (transformers, llama.cpp): with --device {args.device} "
                              "pass --baselines none")
     target = load_model(args.target, dtype=args.target_dtype, device=args.device)
+    # A SPRINTER verifier reads the draft's full head (its log q and entropy): no shipped head vocabulary then.
     draft = (load_model(resolve_draft(args.draft or "default", args.target), dtype=args.draft_dtype,
-                        device=args.device)
+                        device=args.device, shipped_head=config.spec.verifier is None)
              if needs_draft else None)
     log = None if sys.stderr.isatty() else (lambda line: print(line, file=sys.stderr, flush=True))
     results = run_bench(config, target, draft, progress=sys.stderr.isatty(), log=log)

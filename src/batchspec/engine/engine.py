@@ -126,8 +126,12 @@ class Engine:
         """Load both models by name or path, each in its dtype (`precision.PRECISIONS`; the draft also `auto`), on
         `device` (`cpu`, `cuda`: `runtime.device`)."""
         configure_threads()
+        spec = kwargs.get("spec")
+        # A SPRINTER verifier reads the draft's full head (its log q and entropy): no shipped head vocabulary then.
+        shipped_head = spec is None or spec.verifier is None
         return cls(load_model(target, dtype=target_dtype, device=device),
-                   load_model(draft, dtype=draft_dtype, device=device) if draft else None, **kwargs)
+                   load_model(draft, dtype=draft_dtype, device=device, shipped_head=shipped_head) if draft else None,
+                   **kwargs)
 
     # --- prompts -> requests -------------------------------------------------------------------------------------
 

@@ -73,6 +73,10 @@ class Transformer:
         self.lm_head = lm_head  # (vocab, hidden); the same tensor as `embed` when tied; (N, hidden) if restricted
         self.head_ids: torch.Tensor | None = None  # (N,) sorted token ids of a restricted head (`restrict_head`)
         self.full_head = lm_head  # (vocab, hidden) whatever the head vocabulary
+        # With a restricted head: also score, in every forward, the tokens the batch's sequences already hold that
+        # the head lacks (`context_head_ids`).
+        self.context_head = False
+        self._merged = None  # (extra ids' bytes, merged ids, positions of the head's columns, of the extra ones)
         self.rope_cos, self.rope_sin = rope_tables(config, config.max_position_embeddings, self.device,
                                                  self.dtype)  # (P, D) each
         # "mkl" or "onednn" on the CPU (`batchspec.runtime.linear`), "cuda" (cuBLAS) on a GPU
@@ -272,6 +276,55 @@ class Transformer:
         products, float64 attention), so that a forward whose rows never depend on its neighbours should drop it."""
         return self.batch_invariant and (self.dtype == torch.bfloat16 or self.device.type == "cuda")
 
+    def enable_context_head(self) -> None:
+        """Score the tokens of each batch's own sequences besides a restricted head's (`context_head_ids`).
+
+        A draft's head vocabulary (`restrict_head`: FR-Spec's most frequent tokens) makes its LM head cheaper but
+        cannot propose a rarer token, and the tokens a request's prompt holds (a function's name, its arguments) are
+        the rare ones its answer repeats most. Measured on the Qwen pair (`sd`, k = 3, batch 8, 16 HumanEval
+        prompts, greedy, 128 tokens): 32,768 tokens ranked on Python sources, VSR 0.981 with the full head, 0.936
+        with that head alone, 0.981 with the prompts' tokens added; the int4 draft's pass over 8 rows 52 -> 46 ms."""
+        if self.head_ids is None:
+            raise BatchspecError("a context head extends a restricted head vocabulary: restrict the head first")
+        if isinstance(self.full_head, QuantizedWeight) or self.full_head.is_mkldnn:
+            raise BatchspecError("a context head reads the full head's rows: it needs a plain (tied or unquantized) "
+                                 "full head")
+        self.context_head = True
+
+    def context_head_ids(self, cache: KVCache, slots: torch.Tensor, num_new: torch.Tensor,
+                         tokens: torch.Tensor) -> torch.Tensor:
+        """Record the appended tokens in `cache.context_tokens` (a slot appending from position 0 starts afresh),
+        and return the tokens the batch's sequences hold that the restricted head lacks: (E,) sorted int64, host."""
+        seen = cache.context_tokens
+        if seen is None:
+            seen = cache.context_tokens = torch.zeros(cache.num_slots, self.config.vocab_size, dtype=torch.bool)
+        slots, num_new = slots.cpu(), num_new.cpu()
+        fresh = slots[cache.lengths[slots] == 0]
+        if fresh.numel():
+            seen[fresh] = False
+        seen[torch.repeat_interleave(slots, num_new), tokens.cpu()] = True
+        held = seen[slots].any(dim=0)  # (V,)
+        held[self.head_ids.cpu()] = False
+        return held.nonzero()[:, 0]
+
+    def _with_context_logits(self, logits: torch.Tensor, rows: torch.Tensor,
+                             extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's logits (R, N) and those of the `extra` tokens (E,) from the full head's rows, as one head
+        over their sorted union: ((R, N + E) float32, (N + E,) ids). The union's layout is kept while `extra` stays."""
+        key = extra.numpy().tobytes()
+        if self._merged is None or self._merged[0] != key:
+            head = self.head_ids.cpu()
+            merged = torch.cat([head, extra]).sort().values
+            own = torch.arange(head.numel()) + torch.searchsorted(extra, head)  # the head's columns in the union
+            added = torch.arange(extra.numel()) + torch.searchsorted(head, extra)
+            self._merged = key, merged.to(self.device), own.to(self.device), added.to(self.device)
+        _, merged, own, added = self._merged
+        extra_logits = F.linear(rows, self.full_head[extra.to(self.device)]).float()  # (R, E)
+        union = logits.new_empty(logits.shape[0], merged.numel())
+        union.index_copy_(1, own, logits)
+        union.index_copy_(1, added, extra_logits)
+        return union, merged
+
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots: torch.Tensor, num_new: torch.Tensor, tokens: torch.Tensor,
                 logit_rows: torch.Tensor | None = None, all_logits: bool = True,
@@ -301,6 +354,7 @@ class Transformer:
         meta = attention_metadata(cache, slots, num_new, self.rope_cos, self.rope_sin, c.num_groups,
                                   self.attention_dtype(invariant), self.device)
 
+        extra = self.context_head_ids(cache, slots, num_new, tokens) if self.context_head else None
         dev = self.device
         lin = functools.partial(linear, backend=self.linear_backend, packed=self.packed_weights,
                                 batch_invariant=invariant)
@@ -310,12 +364,11 @@ class Transformer:
 
         cache.lengths[slots] = meta.ends
         hidden = F.rms_norm(x, (c.hidden_size,), self.final_norm, c.rms_norm_eps)  # (T, hidden)
-        if logit_rows is not None:
-            logits = lin(hidden[logit_rows.to(dev)], self.lm_head)
-        elif all_logits:
-            logits = lin(hidden, self.lm_head)
-        else:
-            logits = None
-        out = ForwardOutput(None if logits is None else logits.float(), hidden, self.head_ids, c.vocab_size)
+        rows = hidden[logit_rows.to(dev)] if logit_rows is not None else hidden if all_logits else None
+        logits = None if rows is None else lin(rows, self.lm_head).float()
+        head_ids = self.head_ids
+        if logits is not None and extra is not None and extra.numel():
+            logits, head_ids = self._with_context_logits(logits, rows, extra)
+        out = ForwardOutput(logits, hidden, head_ids, c.vocab_size)
         synchronize(dev)  # on a GPU: the callers time their forwards (stats, profiles) and read the results next
         return out

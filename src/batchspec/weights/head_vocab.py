@@ -11,7 +11,11 @@ every scored position, plus every answer token), never HumanEval; ties and unsee
 BPE tokenizers is merge order, i.e. the tokenizer's own frequency prior. The special tokens (EOS and the chat
 markers) are always included so that the draft can end an answer.
 
-Stored with the model: `head_vocab.json` in an HF directory, or the GGUF key `batchspec.head_vocab`.
+Stored with the model: `head_vocab.json` in an HF directory, or the GGUF key `batchspec.head_vocab`. A draft
+batchspec did not distill has no teacher data to count: its vocabulary ships in the repository (`models/`, named by
+`KnownModel.head_vocab`), ranked by the tokens' frequency in the Python sources distillation reads
+(`benchmarks/draft_head_vocab.py`), and runs as a context head (`Transformer.enable_context_head`): each forward also
+scores the tokens its batch's own sequences hold, which a prompt's names and a reply's repetitions need.
 """
 
 from __future__ import annotations

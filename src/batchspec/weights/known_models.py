@@ -49,6 +49,9 @@ class KnownModel:
     # a draft's SPRINTER verifiers shipped under models/ (`--verifier default`), one per precision the draft runs in
     # (a verifier belongs to the weights its features were computed with): ((precision, directory name), ...)
     verifiers: tuple[tuple[str, str], ...] = ()
+    # a draft's head vocabulary shipped under models/ (a directory holding head_vocab.json), run as a context head
+    # (`Transformer.enable_context_head`)
+    head_vocab: str | None = None
 
     def describe(self) -> str:
         return (f"{self.name} ({self.role}): {self.filename}, {self.size:,} bytes, sha256 {self.sha256}, "
@@ -92,6 +95,7 @@ QWEN_CODER_0_5B = KnownModel(
     )),
     verifiers=(("bfloat16", "sprinter-verifier-qwen2.5-coder-0.5b"),
                ("int4", "sprinter-verifier-qwen2.5-coder-0.5b-int4")),
+    head_vocab="head-vocab-qwen2.5-coder-0.5b",
 )
 
 QWEN_CODER_1_5B = KnownModel(
@@ -248,6 +252,14 @@ def default_draft_dir() -> Path:
         return path
     raise BatchspecError(f"the default draft is missing: expected a .gguf file or a model directory at {path} "
                          "(train one with `batchspec distill --target default --out DIR`)")
+
+
+def shipped_head_vocab_dir(name: str | Path) -> Path | None:
+    """The directory of the head vocabulary shipped under models/ for the known model `name` (None: none shipped)."""
+    known = KNOWN_MODELS.get(str(name))
+    if known is None or known.head_vocab is None:
+        return None
+    return Path(__file__).resolve().parents[3] / "models" / known.head_vocab
 
 
 def default_verifier_dir(draft: str | None = None, precision: str | None = None) -> Path:

@@ -55,8 +55,10 @@ def resolve_model_dir(spec: str | Path) -> Path:
 
 
 def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-                     full_head: bool = False) -> Transformer:
+                     full_head: bool = False, head_vocab_dir: Path | None = None) -> Transformer:
     """The model in an HF directory; its LM head restricted to the stored head vocabulary unless `full_head`.
+    head_vocab_dir: a head vocabulary shipped beside the model instead (`known_models.shipped_head_vocab_dir`), run as
+    a context head (`Transformer.enable_context_head`).
 
     dtype: a float type, or a precision name (`precision.PRECISIONS`: float32, bfloat16, int8; the draft's `auto`
     and `int4`). device: `cpu`, `cuda` or `cuda:N` (`runtime.device`; int8 and int4 are the CPU's only).
@@ -74,12 +76,15 @@ def load_transformer(model_dir: Path, dtype: torch.dtype | str = torch.float32, 
         raise BatchspecError(f"no *.safetensors weights in {model_dir}")
     weights = {name: tensor for file in files for name, tensor in read_tensors(file, dtype, device)}
     transformer = Transformer.from_hf_state_dict(config, weights, consume=True)
-    head_ids = None if full_head else read_head_vocab(model_dir)
+    vocab_dir = model_dir if head_vocab_dir is None else Path(head_vocab_dir)
+    head_ids = None if full_head else read_head_vocab(vocab_dir)
     if head_ids is not None:
         try:
             transformer.restrict_head(head_ids)
+            if head_vocab_dir is not None:
+                transformer.enable_context_head()
         except BatchspecError as bad:
-            raise BatchspecError(f"{model_dir / HEAD_VOCAB_FILE}: {bad}") from None
+            raise BatchspecError(f"{vocab_dir / HEAD_VOCAB_FILE}: {bad}") from None
     if precision in ("int8", "int4"):
         # An int4 model is a draft: it also prefills, where int4's kernel is slow (`Int4Weight.WIDE_ROWS`).
         # Its copy for them: int8 where the CPU multiplies int8 fast, else float32 on oneDNN, else none.
@@ -142,16 +147,19 @@ class LoadedModel:
 
 
 def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-               full_head: bool = False) -> LoadedModel:
+               full_head: bool = False, shipped_head: bool = True) -> LoadedModel:
     """Load `default`, a known model's name, a GGUF file or an HF directory: weights into the native runtime (in
     `dtype`: a float type or a precision name, see `load_transformer`), plus the tokenizer.
 
-    A draft that ships a head vocabulary (`head_vocab.py`) scores only those tokens unless `full_head`.
+    A draft that ships a head vocabulary (`head_vocab.py`) scores only those tokens unless `full_head`. A known
+    draft with a head vocabulary in the repository (`KnownModel.head_vocab`) runs it as a context head unless
+    `shipped_head` is off (a SPRINTER verifier trained on the draft's full head reads its log q and entropy).
     """
     from batchspec.runtime.tokenizer import Tokenizer
 
     model_dir = resolve_model_dir(spec)
-    transformer = load_transformer(model_dir, dtype=dtype, device=device, full_head=full_head)
+    shipped = known_models.shipped_head_vocab_dir(spec) if shipped_head else None
+    transformer = load_transformer(model_dir, dtype=dtype, device=device, full_head=full_head, head_vocab_dir=shipped)
     tokenizer = Tokenizer(model_dir)
     if tokenizer.vocab_size > transformer.config.vocab_size:
         raise BatchspecError(f"tokenizer of {model_dir} has {tokenizer.vocab_size} tokens but the model only "
