@@ -32,9 +32,9 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(num_slots, dtype=torch.int64)  # host-side bookkeeping, (slots,)
         self._free = list(range(num_slots - 1, -1, -1))  # stack; lowest slot handed out first
-        # (slots, vocab) bool, kept by a model with a context head (`Transformer.context_head`): which tokens each
-        # slot's sequence holds (a superset after a rollback). Host-side, made on first use.
-        self.context_tokens: torch.Tensor | None = None
+        # Kept by a model with a context head (`Transformer.context_head_ids`): per slot, the tokens its sequence holds
+        # that the model's head vocabulary lacks (a superset after a rollback). Made on first use.
+        self.context_tokens: list[set[int]] | None = None
 
     @property
     def nbytes(self) -> int:
