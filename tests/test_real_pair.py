@@ -38,14 +38,14 @@ def prompts() -> list[str]:
 @pytest.fixture(scope="module")
 def draft():
     # bfloat16 where the CPU computes it natively, else float32; with its shipped head vocabulary as a context head
-    return load_model(DRAFT, dtype="auto")
+    return load_model(DRAFT, dtype="auto", shipped_head=True)
 
 
 @pytest.fixture(scope="module")
 def bf16_draft(draft):
     """What the shipped verifier was trained on: the draft in bfloat16 with its full head (a verifier reads log q and
     the entropy over the whole vocabulary)."""
-    return load_model(DRAFT, dtype="bfloat16", shipped_head=False)
+    return load_model(DRAFT, dtype="bfloat16")
 
 
 # Without native bfloat16 arithmetic torch emulates it, ~25x slower than float32 here (AMD EPYC, AVX2: one
@@ -82,14 +82,14 @@ def test_the_shipped_verifier_belongs_to_the_real_pairs_draft(bf16_draft):
         load_verifier(resolve_verifier("default", "default", "default"), bf16_draft)
     # The int4 draft (other weights, other features) has its own verifier, and each refuses the other's draft.
     int4_path = resolve_verifier("default", "default", TARGET, "int4")
-    int4_draft = load_model(DRAFT, dtype="int4", shipped_head=False)
+    int4_draft = load_model(DRAFT, dtype="int4")
     assert load_verifier(int4_path, int4_draft).draft["precision"] == "int4"
     with pytest.raises(Exception, match="trained on .* in bfloat16 .*here int4"):
         load_verifier(path, int4_draft)
     with pytest.raises(Exception, match="trained on .* in int4 .*here bfloat16"):
         load_verifier(int4_path, bf16_draft)
     with pytest.raises(Exception, match="shipped head vocabulary"):  # the draft as loaded without a verifier
-        load_verifier(int4_path, load_model(DRAFT, dtype="int4"))
+        load_verifier(int4_path, load_model(DRAFT, dtype="int4", shipped_head=True))
     target = load_model(TARGET, dtype="bfloat16")
     engine = Engine(target, bf16_draft, SpecConfig(policy="sprinter", verifier=path, tau=0.3), max_batch_size=2)
     outputs = engine.generate([humaneval_chat_prompt(humaneval_prompts()[0])], SamplingParams(max_tokens=32),

@@ -77,7 +77,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--baselines run on the CPU (transformers, llama.cpp): with --device {args.device} "
                              "pass --baselines none")
     target = load_model(args.target, dtype=args.target_dtype, device=args.device)
-    # A SPRINTER verifier reads the draft's full head (its log q and entropy): no shipped head vocabulary then.
+    # The draft's shipped head vocabulary, except under a SPRINTER verifier (it reads log q and entropy over the full
+    # head).
     draft = (load_model(resolve_draft(args.draft or "default", args.target), dtype=args.draft_dtype,
                         device=args.device, shipped_head=config.spec.verifier is None)
              if needs_draft else None)

@@ -127,7 +127,8 @@ class Engine:
         `device` (`cpu`, `cuda`: `runtime.device`)."""
         configure_threads()
         spec = kwargs.get("spec")
-        # A SPRINTER verifier reads the draft's full head (its log q and entropy): no shipped head vocabulary then.
+        # The draft's shipped head vocabulary, except under a SPRINTER verifier (it reads log q and entropy over the
+        # full head).
         shipped_head = spec is None or spec.verifier is None
         return cls(load_model(target, dtype=target_dtype, device=device),
                    load_model(draft, dtype=draft_dtype, device=device, shipped_head=shipped_head) if draft else None,

@@ -120,8 +120,8 @@ def check_verifier_draft(verifier: Verifier, draft) -> None:
     actual = weight_fingerprint(draft.transformer)
     if expected != actual and draft.transformer.context_head:
         raise BatchspecError(f"{Path(draft.model_dir).name} runs its shipped head vocabulary, but a SPRINTER verifier "
-                             "reads log q and the entropy over the head it was trained on: load the draft with "
-                             "load_model(..., shipped_head=False) (the CLI does so whenever --verifier is given)")
+                             "reads log q and the entropy over the head it was trained on: load the draft without it "
+                             "(load_model's default; the CLI does so whenever --verifier is given)")
     if expected != actual:
         if Path(str(verifier.draft.get("model_dir"))).name == Path(draft.model_dir).name:  # same model, other weights
             trained = verifier.draft.get("precision") or "another precision"

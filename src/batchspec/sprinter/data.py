@@ -157,7 +157,7 @@ def run_collect(cfg: CollectConfig, out: Path, resume: bool = False, progress: b
     cfg.validate()
     old = _previous_meta(out, cfg, resume)
     target = load_model(cfg.target, dtype=cfg.target_dtype)
-    draft = load_model(cfg.draft, dtype=resolve_precision(cfg.draft_dtype), shipped_head=False)  # verifiers: full head
+    draft = load_model(cfg.draft, dtype=resolve_precision(cfg.draft_dtype))  # its full head: what verifiers read
     check_draft_compatible(target, draft)
     limit = min(cfg.max_prompt_tokens, target.config.max_position_embeddings - cfg.max_tokens,
                 draft.config.max_position_embeddings - cfg.max_tokens)

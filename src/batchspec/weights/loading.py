@@ -147,13 +147,14 @@ class LoadedModel:
 
 
 def load_model(spec: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-               full_head: bool = False, shipped_head: bool = True) -> LoadedModel:
+               full_head: bool = False, shipped_head: bool = False) -> LoadedModel:
     """Load `default`, a known model's name, a GGUF file or an HF directory: weights into the native runtime (in
     `dtype`: a float type or a precision name, see `load_transformer`), plus the tokenizer.
 
-    A draft that ships a head vocabulary (`head_vocab.py`) scores only those tokens unless `full_head`. A known
-    draft with a head vocabulary in the repository (`KnownModel.head_vocab`) runs it as a context head unless
-    `shipped_head` is off (a SPRINTER verifier trained on the draft's full head reads its log q and entropy).
+    A draft that ships a head vocabulary (`head_vocab.py`) scores only those tokens unless `full_head`. With
+    `shipped_head`, a known model with a head vocabulary in the repository (`KnownModel.head_vocab`) runs it as a
+    context head: for a draft only (a target scores every token), and not under a SPRINTER verifier trained on the
+    draft's full head (it reads its log q and entropy).
     """
     from batchspec.runtime.tokenizer import Tokenizer
 
