@@ -12,8 +12,9 @@ from batchspec.distill.gguf_export import write_draft_gguf
 from batchspec.errors import BatchspecError
 from batchspec.runtime.model import Transformer
 from batchspec.spec.config import SpecConfig
-from batchspec.weights.head_vocab import HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, write_head_vocab
-from batchspec.weights.known_models import default_target_path
+from batchspec.weights.head_vocab import (HEAD_VOCAB_FILE, choose_head_vocab, count_target_tokens, read_head_vocab,
+                                          write_head_vocab)
+from batchspec.weights.known_models import KNOWN_MODELS, default_target_path, shipped_head_vocab_dir
 from batchspec.weights.loading import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow  # real models end to end: left out of `pytest -m "not slow"`
@@ -194,9 +195,6 @@ def test_context_head_draft_is_lossless_greedy(default_model, ar_outputs, policy
 
 
 def test_shipped_head_vocabularies_are_well_formed():
-    from batchspec.weights.known_models import KNOWN_MODELS, shipped_head_vocab_dir
-    from batchspec.weights.head_vocab import read_head_vocab
-
     shipped = [name for name, model in KNOWN_MODELS.items() if model.head_vocab]
     assert shipped  # the Qwen draft's
     for name in shipped:
