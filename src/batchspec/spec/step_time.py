@@ -28,6 +28,10 @@ from batchspec.runtime.model import Transformer
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"  # the package whose code sets what a forward costs
 LEARN_RATE = 0.3  # how far one measured forward moves a row-time table (`RowTimeTable.learn`)
+# How far each learned forward also moves every point of a row-time table toward the profile's shape at the
+# machine's present speed (`RowTimeTable.learn`), and how fast that speed follows the forwards.
+RELAX_RATE = 0.05
+LEVEL_RATE = 0.1
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class RowTimeTable:
         x, y = np.asarray(self.rows, dtype=np.float64), np.array(self.seconds, dtype=np.float64)
         object.__setattr__(self, "_table", (x, y, self._slope(x, y)))
         object.__setattr__(self, "version", 0)  # forwards learned from (`learn`)
+        object.__setattr__(self, "level", 1.0)  # the machine's speed now over the profile's (`learn`, `rescale`)
+        object.__setattr__(self, "_profile", (y.copy(), self._slope(x, y)))  # the profile's seconds, kept as taken
 
     @staticmethod
     def _slope(x: np.ndarray, y: np.ndarray) -> float:
@@ -111,11 +117,22 @@ class RowTimeTable:
         within one afternoon: the SmolLM2 target's forward over 16 / 32 / 48 rows 113 / 138 / 169 ms when profiled,
         89 / 132 / 197 ms three hours later, so a verified row cost twice what the table said), and goodput plans
         priced on the old table speculate where it no longer pays. The profile stays on disk as it was taken; the
-        engine's copy follows what its forwards measure."""
+        engine's copy follows what its forwards measure.
+
+        Every point also moves `RELAX_RATE` of the way toward the profile's point times `level`, the ratio of what
+        forwards take to what the profile says, followed at `LEVEL_RATE` from every forward whatever its rows: a
+        point only the forwards a plan avoids would correct does not keep what a slow moment taught it. Measured
+        on the Xeon (the SmolLM2 target in bfloat16, batch 1): a few passes slowed by another process had raised the
+        5-row point to 90 ms against 61 at 1 row (the profile: 45 and 42), every later point with it, and a plan
+        priced so drafted ~2 tokens a step where fixed k = 4 ran faster; nothing ever timed 5 rows again."""
         x, y, _ = self._table
         predicted = float(self(rows))
         if predicted <= 0.0:
             return
+        profiled = float(self._profiled(rows))
+        if profiled > 0.0 and seconds > 0.0:
+            ratio = min(max(seconds / profiled, 0.5 * self.level), 2.0 * self.level)
+            object.__setattr__(self, "level", self.level + LEVEL_RATE * (ratio - self.level))
         error = rate * min(max(seconds - predicted, -0.5 * predicted), 0.5 * predicted)
         upper = int(np.searchsorted(x, rows))  # the first point at or past `rows`
         if upper >= len(x):  # past the table (extrapolated on its last slope): its last point, by the same ratio
@@ -131,7 +148,13 @@ class RowTimeTable:
             np.maximum.accumulate(y, out=y)
         else:  # what was lowered lowers the points before it (fewer rows never cost more)
             y[:] = np.minimum.accumulate(y[::-1])[::-1]
+        y += RELAX_RATE * (self.level * self._profile[0] - y)  # both non-decreasing: so is the result
         self._learned(x, y)
+
+    def _profiled(self, rows: int) -> float:
+        """The profile's own seconds at `rows`, interpolated as `__call__` does."""
+        x, (y, slope) = self._table[0], self._profile
+        return float(y[-1] + slope * (rows - x[-1])) if rows > x[-1] else float(np.interp(rows, x, y))
 
     def rescale(self, rows: int, seconds: float, most: float = 2.0) -> None:
         """Scale every point by `seconds` over the prediction at `rows` (at most `most` times either way): the
@@ -140,7 +163,9 @@ class RowTimeTable:
         predicted = float(self(rows))
         if predicted <= 0.0 or seconds <= 0.0:
             return
-        y *= min(max(seconds / predicted, 1.0 / most), most)
+        factor = min(max(seconds / predicted, 1.0 / most), most)
+        y *= factor
+        object.__setattr__(self, "level", self.level * factor)
         self._learned(x, y)
 
     def _learned(self, x: np.ndarray, y: np.ndarray) -> None:
