@@ -102,7 +102,10 @@ class RowTimeTable:
 
     def __call__(self, rows):
         """Interpolated seconds at `rows` (int or array); beyond the table, the last segment's slope."""
-        x, y, slope = self._table
+        return self._interpolate(*self._table, rows)
+
+    @staticmethod
+    def _interpolate(x: np.ndarray, y: np.ndarray, slope: float, rows):
         rows = np.asarray(rows, dtype=np.float64)
         return np.where(rows > x[-1], y[-1] + slope * (rows - x[-1]), np.interp(rows, x, y))
 
@@ -129,7 +132,7 @@ class RowTimeTable:
         predicted = float(self(rows))
         if predicted <= 0.0:
             return
-        profiled = float(self._profiled(rows))
+        profiled = float(self._interpolate(x, *self._profile, rows))  # the profile's own seconds at `rows`
         if profiled > 0.0 and seconds > 0.0:
             ratio = min(max(seconds / profiled, 0.5 * self.level), 2.0 * self.level)
             object.__setattr__(self, "level", self.level + LEVEL_RATE * (ratio - self.level))
@@ -150,11 +153,6 @@ class RowTimeTable:
             y[:] = np.minimum.accumulate(y[::-1])[::-1]
         y += RELAX_RATE * (self.level * self._profile[0] - y)  # both non-decreasing: so is the result
         self._learned(x, y)
-
-    def _profiled(self, rows: int) -> float:
-        """The profile's own seconds at `rows`, interpolated as `__call__` does."""
-        x, (y, slope) = self._table[0], self._profile
-        return float(y[-1] + slope * (rows - x[-1])) if rows > x[-1] else float(np.interp(rows, x, y))
 
     def rescale(self, rows: int, seconds: float, most: float = 2.0) -> None:
         """Scale every point by `seconds` over the prediction at `rows` (at most `most` times either way): the
